@@ -1,0 +1,76 @@
+"""Shared machinery of the typed config dataclasses (the one schema).
+
+Every feature config is a frozen dataclass that validates itself in ``__post_init__``.
+This module gives them a common ``from_dict`` that rejects unknown keys with a
+"did you mean" hint: DeepSpeed silently ignores a misspelt key, we do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Iterable, Mapping, TypeVar
+
+T = TypeVar("T")
+
+
+def suggest(key: str, allowed: Iterable[str]) -> str:
+    """A ``" Did you mean 'x'?"`` suffix for an error message, or ``""`` if nothing is close."""
+    close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def check_choice(owner: str, field: str, value: Any, allowed: Iterable[Any]) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(
+            f"{owner}.{field}={value!r} is not valid. Allowed values: {', '.join(map(repr, allowed))}."
+        )
+
+
+def check_number(owner: str, field: str, value: Any, *, minimum: float | None = None, integral: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{owner}.{field} must be a number, got {value!r} ({type(value).__name__}).")
+    if integral and float(value) != int(value):
+        raise ValueError(f"{owner}.{field} must be a whole number, got {value!r}.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{owner}.{field} must be >= {minimum}, got {value!r}.")
+
+
+def config_from_dict(cls: type[T], data: Mapping[str, Any] | None, *, path: str = "") -> T:
+    """Build ``cls`` from a mapping, failing on unknown keys with the key's path and a suggestion.
+
+    Nested dataclass fields are built recursively from nested mappings.
+    """
+    data = dict(data or {})
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    prefix = f"{path}." if path else ""
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        key = unknown[0]
+        raise ValueError(
+            f"Unknown config key {prefix + key!r} for {cls.__name__}.{suggest(key, fields)}"
+            f" Known keys: {', '.join(sorted(fields))}."
+        )
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        field_type = fields[name].type
+        nested = _dataclass_type(cls, name, field_type)
+        if nested is not None and isinstance(value, Mapping):
+            value = config_from_dict(nested, value, path=f"{prefix}{name}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _dataclass_type(cls: type, name: str, annotation: Any) -> type | None:
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    hint = hints.get(name, annotation)
+    if dataclasses.is_dataclass(hint):
+        return hint  # type: ignore[return-value]
+    return None
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

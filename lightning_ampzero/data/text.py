@@ -1,0 +1,150 @@
+"""Byte-level language-modelling data: the shipped corpus or any file, cut into fixed windows.
+
+Tokens are the file's bytes (vocabulary 256, the default of ``GPTConfig``), so no tokenizer
+has to be downloaded or shipped. The file is split once, by position, into a training part
+and a held-out tail; each part is cut into windows of ``block_size + 1`` bytes (input and
+next-byte target). The training loader shuffles; under a distributed strategy Lightning
+replaces its sampler with a ``DistributedSampler`` so every rank sees different windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_ampzero._schema import check_choice, check_number, config_from_dict
+
+CORPUS_DIR = Path(__file__).parent / "corpus"
+#: Corpora shipped inside the package (name -> file). See corpus/README.md for source and licence.
+SHIPPED_CORPORA = {"shakespeare": CORPUS_DIR / "shakespeare.txt"}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the bytes come from and how they are batched.
+
+    Attributes:
+        corpus: name of a corpus shipped with the package (``shakespeare``); ignored when ``path`` is set.
+        path: any file, read as bytes (UTF-8 text works: multi-byte characters become several tokens).
+        block_size: tokens per training sequence; must not exceed the model's ``block_size``.
+        batch_size: sequences per micro-batch per process.
+        val_fraction: share of the file (its tail) held out for validation.
+        stride: distance between the starts of consecutive windows; ``None`` = ``block_size``
+            (non-overlapping windows).
+        num_workers: DataLoader worker processes per rank (0 = load in the training process).
+    """
+
+    corpus: str = "shakespeare"
+    path: Optional[str] = None
+    block_size: int = 64
+    batch_size: int = 16
+    val_fraction: float = 0.05
+    stride: Optional[int] = None
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.path is None:
+            check_choice("data", "corpus", self.corpus, tuple(SHIPPED_CORPORA))
+        for name in ("block_size", "batch_size"):
+            check_number("data", name, getattr(self, name), minimum=1, integral=True)
+        check_number("data", "num_workers", self.num_workers, minimum=0, integral=True)
+        if self.stride is not None:
+            check_number("data", "stride", self.stride, minimum=1, integral=True)
+        check_number("data", "val_fraction", self.val_fraction, minimum=0)
+        if self.val_fraction >= 1:
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction!r}.")
+
+    @property
+    def file(self) -> Path:
+        return Path(self.path).expanduser() if self.path is not None else SHIPPED_CORPORA[self.corpus]
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "DataConfig":
+        return config_from_dict(cls, data, path="data")
+
+
+def read_tokens(path: Path) -> torch.Tensor:
+    """The bytes of ``path`` as a uint8 tensor (one token per byte)."""
+    raw = Path(path).read_bytes()
+    if not raw:
+        raise ValueError(f"data file {path} is empty.")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+class ByteWindows(Dataset):
+    """Windows ``tokens[s : s + block_size + 1]`` for ``s = 0, stride, 2 * stride, ...``.
+
+    Item ``i`` is ``(input, target)``: two int64 tensors of ``block_size`` tokens, the target
+    shifted by one.
+    """
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, stride: Optional[int] = None) -> None:
+        self.tokens = tokens
+        self.block_size = block_size
+        self.stride = stride or block_size
+        span = len(tokens) - block_size - 1
+        if span < 0:
+            raise ValueError(
+                f"{len(tokens)} tokens are too few for one window of block_size={block_size} (+1 target)."
+            )
+        self._len = span // self.stride + 1
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self._len:
+            raise IndexError(i)
+        s = i * self.stride
+        window = self.tokens[s : s + self.block_size + 1].long()
+        return window[:-1], window[1:]
+
+
+def split_tokens(tokens: torch.Tensor, val_fraction: float, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train on the head of the file, validate on its tail (the split never cuts a window in two)."""
+    n_val = int(len(tokens) * val_fraction)
+    if val_fraction > 0:
+        n_val = max(n_val, block_size + 1)
+    if len(tokens) - n_val < block_size + 1:
+        raise ValueError(f"{len(tokens)} tokens are too few for val_fraction={val_fraction} and block_size={block_size}.")
+    return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
+
+
+def _datamodule_base() -> type:
+    import lightning.pytorch as pl
+
+    return pl.LightningDataModule
+
+
+class TextDataModule(_datamodule_base()):  # type: ignore[misc]
+    """LightningDataModule over :class:`ByteWindows` of one file (see :class:`DataConfig`)."""
+
+    def __init__(self, config: Optional[DataConfig] = None) -> None:
+        super().__init__()
+        self.config = config or DataConfig()
+        self.train_set: Optional[ByteWindows] = None
+        self.val_set: Optional[ByteWindows] = None
+
+    def setup(self, stage: str = "fit") -> None:
+        if self.train_set is not None:
+            return
+        cfg = self.config
+        train, val = split_tokens(read_tokens(cfg.file), cfg.val_fraction, cfg.block_size)
+        self.train_set = ByteWindows(train, cfg.block_size, cfg.stride)
+        self.val_set = ByteWindows(val, cfg.block_size) if len(val) else None
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None, "call setup() first"
+        return DataLoader(
+            self.train_set, batch_size=self.config.batch_size, shuffle=True, drop_last=True,
+            num_workers=self.config.num_workers, persistent_workers=self.config.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> Any:
+        if self.val_set is None:
+            return []
+        return DataLoader(self.val_set, batch_size=self.config.batch_size, shuffle=False, num_workers=self.config.num_workers)

@@ -1,0 +1,163 @@
+"""Per-rank model-state memory: measured from the tensors, and the ZeRO formula beside it.
+
+Measurement counts storages, not tensors: views into one FSDP2 all-gather or reduce-scatter
+buffer are counted once, and a freed FSDP2 buffer (storage resized to 0) counts nothing.
+
+Categories (fp32 Adam; Ψ parameters, N data-parallel ranks):
+
+=========  ==============  ==============  =================================
+stage      parameters      gradients       optimizer states (+ master copy)
+=========  ==============  ==============  =================================
+0 (DDP)    4Ψ              4Ψ              8Ψ (updated in place: no master)
+1          4Ψ gathered     4Ψ (accumulated 12Ψ/N (8 states + 4 fp32 shard)
+                           until the step)
+2          4Ψ gathered     4Ψ/N            12Ψ/N
+3          4Ψ/N            4Ψ/N            8Ψ/N (the shard is the master)
+=========  ==============  ==============  =================================
+
+This is the ZeRO paper's (p + g + K) accounting with the parameter copy a rank computes
+with in "parameters" and the fp32 copy the optimizer updates in K: under stages 1-2 FSDP2
+keeps both (the gathered copy for forward/backward and the sharded fp32 copy), under stage 3
+the shard is the only copy. Low-precision variants change the byte counts per element
+(``param_bytes``, ``grad_bytes``, ``master_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+CATEGORIES = ("params", "grads", "optimizer")
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def zero_formula(
+    numel: int,
+    world_size: int,
+    stage: int,
+    *,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    state_bytes: int = 8,
+    master_bytes: int = 4,
+) -> ModelStateBytes:
+    """Expected model-state bytes per rank (see the table in this module's docstring).
+
+    ``state_bytes``: optimizer states per parameter (8 for Adam's two fp32 moments);
+    ``master_bytes``: the fp32 copy the optimizer updates, counted in the optimizer column
+    whenever the compute parameters are a separate copy (stages 1-2, or a low-precision
+    ``param_bytes``).
+    """
+    n, psi = world_size, numel
+    separate_master = stage in (1, 2) or param_bytes != master_bytes
+    master = master_bytes if separate_master else 0
+    if stage == 0:
+        return ModelStateBytes(param_bytes * psi, grad_bytes * psi, (state_bytes + master) * psi)
+    params = param_bytes * psi if stage in (1, 2) else param_bytes * psi // n
+    grads = grad_bytes * psi if stage == 1 else grad_bytes * psi // n
+    return ModelStateBytes(params, grads, (state_bytes + master) * psi // n)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _Storages:
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def add(self, t: Optional[torch.Tensor]) -> int:
+        if t is None or not isinstance(t, torch.Tensor):
+            return 0
+        s = _local(t).untyped_storage()
+        if s.nbytes() == 0 or s.data_ptr() in self.seen:
+            return 0
+        self.seen.add(s.data_ptr())
+        return s.nbytes()
+
+
+def _fsdp_params(module: nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    out, groups = [], set()
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            if group is not None and id(group) not in groups:
+                groups.add(id(group))
+                out.extend(group.fsdp_params)
+    return out
+
+
+def measure_model_state(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
+    """Bytes of parameters (sharded, gathered), gradients and optimizer state held now on this rank.
+
+    Returns ``params_sharded``, ``params_gathered``, ``grads`` and ``optimizer``.
+    """
+    seen = _Storages()
+    sharded = gathered = grads = 0
+    fsdp = _fsdp_params(module)
+    covered: set[int] = set()
+    for fp in fsdp:
+        sharded += seen.add(fp._sharded_param_data)
+        covered.add(id(fp.sharded_param))
+        unsharded = getattr(fp, "_unsharded_param", None)
+        if unsharded is not None:
+            gathered += seen.add(unsharded)
+            covered.add(id(unsharded))
+    for p in module.parameters():
+        if id(p) not in covered:
+            gathered += seen.add(p)
+    for fp in fsdp:
+        grads += seen.add(fp.sharded_param.grad)
+        grads += seen.add(getattr(fp, "unsharded_accumulated_grad", None))
+        unsharded = getattr(fp, "_unsharded_param", None)
+        if unsharded is not None:
+            grads += seen.add(unsharded.grad)
+    for p in module.parameters():
+        grads += seen.add(p.grad)
+    opt_bytes = 0
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)  # LightningOptimizer
+        for state in opt.state.values():
+            for v in state.values():
+                opt_bytes += seen.add(v)
+    return {"params_sharded": sharded, "params_gathered": gathered, "grads": grads, "optimizer": opt_bytes}
+
+
+def as_zero_categories(measured: dict[str, int], stage: int) -> ModelStateBytes:
+    """Map a measurement to the formula's columns (where the sharded fp32 copy belongs depends on the stage)."""
+    if stage in (1, 2):
+        return ModelStateBytes(measured["params_gathered"], measured["grads"], measured["optimizer"] + measured["params_sharded"])
+    return ModelStateBytes(measured["params_gathered"] + measured["params_sharded"], measured["grads"], measured["optimizer"])
+
+
+class PeakModelState:
+    """Keeps the per-category peak of successive :func:`measure_model_state` samples."""
+
+    def __init__(self) -> None:
+        self.peak: dict[str, int] = {}
+
+    def sample(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
+        m = measure_model_state(module, optimizers)
+        for k, v in m.items():
+            self.peak[k] = max(self.peak.get(k, 0), v)
+        return m

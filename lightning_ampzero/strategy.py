@@ -1,0 +1,360 @@
+"""AmpZeroStrategy: the Lightning Strategy of lightning_ampzero (Lightning lifecycle only).
+
+Order of transforms in :meth:`AmpZeroStrategy.setup` (each one a function of its own module):
+
+1. precision module conversion (``AmpZeroPrecision.convert_module``; FP8 swap later),
+2. activation checkpointing (not yet),
+3. partitioning: stage 0 wraps DDP; stages 1-3 call :func:`lightning_ampzero.zero.apply_zero`
+   bottom-up, then materialize parameters built on the meta device (stage 3),
+4. optimizers (created after sharding so they hold the shards),
+5. precision plugin connection (loss scaler).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Generator, Mapping, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lightning_ampzero._schema import suggest
+from lightning_ampzero.checkpoint.sharded import load_sharded, save_sharded
+from lightning_ampzero.config import AmpZeroConfig, ZeroConfig
+from lightning_ampzero.precision.plugin import AmpZeroPrecision
+from lightning_ampzero.zero.apply import apply_zero, fsdp_modules, no_sync
+from lightning_ampzero.zero.materialize import check_built_for_stage3, materialize_meta_
+
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroConfig, Any]:
+    """The AmpZeroConfig for a strategy: from ours, a DeepSpeed config (path or dict), or defaults; plus overrides.
+
+    Keyword overrides name fields of :class:`AmpZeroConfig` (``precision=...``) or of
+    :class:`ZeroConfig` (``stage=3, reduce_bucket_size=5e7, ...``).
+    """
+    imported = None
+    if config is None:
+        cfg = AmpZeroConfig()
+    elif isinstance(config, AmpZeroConfig):
+        cfg = config
+    elif isinstance(config, (str, os.PathLike, Mapping)):
+        from lightning_ampzero.deepspeed import convert_deepspeed_config
+
+        imported = convert_deepspeed_config(config)
+        cfg = imported.config
+    else:
+        raise TypeError(
+            f"config must be an AmpZeroConfig, a DeepSpeed config (dict or path to a JSON file) or None,"
+            f" got {type(config).__name__}."
+        )
+    top = {f.name for f in dataclasses.fields(AmpZeroConfig)}
+    zero = {f.name for f in dataclasses.fields(ZeroConfig)}
+    top_kw = {k: v for k, v in overrides.items() if k in top}
+    zero_kw = {k: v for k, v in overrides.items() if k in zero}
+    unknown = [k for k in overrides if k not in top and k not in zero]
+    if unknown:
+        raise TypeError(
+            f"AmpZeroStrategy got an unknown argument {unknown[0]!r}.{suggest(unknown[0], top | zero)}"
+            f" Arguments: config, {', '.join(sorted((top - {'zero'}) | zero))}."
+        )
+    if zero_kw:
+        cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, **zero_kw))
+    if top_kw:
+        cfg = dataclasses.replace(cfg, **top_kw)
+    return cfg, imported
+
+
+class AmpZeroStrategy(ParallelStrategy):
+    """ZeRO stages 0-3 on FSDP2 for Lightning, configured by one typed schema.
+
+    Args:
+        config: an :class:`AmpZeroConfig`, a DeepSpeed config (dict, or path to its JSON file), or None.
+        **overrides: fields of :class:`ZeroConfig` (``stage``, ``reduce_bucket_size``,
+            ``allgather_bucket_size``, ``prefetch_bucket_size``, ``param_persistence_threshold``,
+            ``hpz_partition_size``, ``wrap_modules``, ``timeout_s``, ``process_group_backend``) or of
+            :class:`AmpZeroConfig` (``precision``, ...).
+    """
+
+    strategy_name = "ampzero"
+
+    def __init__(
+        self,
+        config: Union[AmpZeroConfig, Mapping[str, Any], str, os.PathLike, None] = None,
+        *,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Optional[Precision] = None,
+        **overrides: Any,
+    ) -> None:
+        self.config, self.imported = resolve_config(config, overrides)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.num_nodes = 1
+        self._device_mesh: Any = None
+        self.units: list[Any] = []
+
+    # ---- configuration -------------------------------------------------------------------
+    @property
+    def stage(self) -> int:
+        return self.config.zero.stage
+
+    @property
+    def precision_plugin(self) -> AmpZeroPrecision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else AmpZeroPrecision(config=self.config.precision)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # Lightning builds its own plugin from Trainer(precision=...) and assigns it here; we
+        # convert it, so the usual precision strings select ours (FACTS.md, integration traps).
+        if plugin is not None and not isinstance(plugin, AmpZeroPrecision):
+            plugin = AmpZeroPrecision.from_lightning(plugin, self.config.precision)
+        self._precision_plugin = plugin
+
+    @property
+    def device_mesh(self) -> Any:
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have been initialized (setup_environment).")
+        return self._device_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    # ---- processes -----------------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        backend = self.config.zero.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.config.zero.timeout_s)}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # ---- model ---------------------------------------------------------------------------
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # Stage 3 must never hold the whole model on one rank: configure_model() builds on the
+        # meta device and setup() materializes each rank's shard after partitioning.
+        with torch.device("meta") if self.stage == 3 else nullcontext():
+            yield
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if self.imported is not None:
+            self.imported.apply_to_trainer(trainer)
+        module = self.model
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(module, FSDPModule):
+            # Partitioned by an earlier fit/validate/test with this strategy: keep the shards.
+            pass
+        elif self.stage == 0:
+            module = self.precision_plugin.convert_module(module)
+            module.to(self.root_device)
+            self.model = self._wrap_ddp(module)
+        else:
+            if self.stage == 3:
+                check_built_for_stage3(module)
+            module = self.precision_plugin.convert_module(module)
+            if not any(p.is_meta for p in module.parameters()):
+                module.to(self.root_device)
+            self.units = apply_zero(module, self.device_mesh, self.config.zero, self.precision_plugin.mp_policy)
+            materialize_meta_(module, self.root_device)
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            # Lightning calls training_step() etc., not forward(): make them run FSDP2's
+            # root hooks too, or the root unit's parameters would stay sharded.
+            for name in _STEP_METHODS:
+                register_fsdp_forward_method(module, name)
+            self.model = module
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _wrap_ddp(self, module: torch.nn.Module) -> torch.nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        bucket_mb = self.config.zero.reduce_bucket_size * 4 / 2**20  # elements of fp32 gradients
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_mb)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.stage == 0:
+            with super().block_backward_sync():
+                yield
+            return
+        assert self.lightning_module is not None
+        with no_sync(self.lightning_module, self.stage):
+            yield
+
+    def _reshard(self) -> None:
+        # Stages 1-2 keep units gathered after a forward that has no backward (evaluation);
+        # free them so evaluation does not leave the full model resident.
+        if self.stage in (1, 2) and self.lightning_module is not None:
+            for m in fsdp_modules(self.lightning_module):
+                m.reshard()
+
+    def on_validation_end(self) -> None:
+        self._reshard()
+
+    def on_test_end(self) -> None:
+        self._reshard()
+
+    def on_predict_end(self) -> None:
+        self._reshard()
+
+    # ---- collectives ---------------------------------------------------------------------
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ---- checkpoints (sharded directory through torch.distributed.checkpoint) -------------
+    def _state_module(self) -> torch.nn.Module:
+        assert self.lightning_module is not None
+        return self.lightning_module
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self._state_module(), options=StateDictOptions(cpu_offload=True))
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint(), into the sharded model
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return get_optimizer_state_dict(self._state_module(), optimizer, options=StateDictOptions(cpu_offload=True))
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AmpZeroStrategy.save_checkpoint does not take storage_options: it writes a sharded directory.")
+        path = Path(self.broadcast(filepath))
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{i}"] = opt_state
+        save_sharded(path, state, checkpoint, is_global_zero=self.is_global_zero)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        assert self.lightning_module is not None
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        return load_sharded(path, self._state_module(), optimizers, strict=self.lightning_module.strict_loading,
+                            weights_only=weights_only)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()

@@ -1,0 +1,49 @@
+"""Run the training scripts in tests/scripts/ in a subprocess (never Lightning multi-process in pytest)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def script_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(SCRIPTS), env.get("PYTHONPATH", "")])
+    env["PYTHONWARNINGS"] = "ignore"
+    env.update(extra or {})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_script(name: str, *args: str, timeout: float = 600, env: Optional[dict[str, str]] = None,
+               launcher: Optional[list[str]] = None) -> subprocess.CompletedProcess:
+    cmd = [*(launcher or [sys.executable]), str(SCRIPTS / name), *args]
+    proc = subprocess.run(cmd, env=script_env(env), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_json(name: str, out: Path, *args: str, **kw: Any) -> Any:
+    run_script(name, *args, "--out", str(out), **kw)
+    return json.loads(out.read_text())
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))

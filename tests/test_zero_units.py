@@ -1,0 +1,113 @@
+"""Unit tests (one process) of the ZeRO building blocks: wrap policy, bucketing, formulas, config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ampzero.config import AmpZeroConfig, ZeroConfig
+from lightning_ampzero.memory import zero_formula
+from lightning_ampzero.models.gpt import GPT, GPTConfig
+from lightning_ampzero.zero.clip import clip_grad_norm_, clip_grad_value_
+from lightning_ampzero.zero.materialize import check_built_for_stage3, materialize_meta_
+from lightning_ampzero.zero.units import find_blocks, group_units, leftover_modules
+
+
+def test_auto_wrap_finds_transformer_blocks_not_their_linears():
+    model = GPT(GPTConfig(n_layer=3, n_embd=32, n_head=2))
+    assert [n for n, _ in find_blocks(model, ())] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert [[n for n, _ in r] for r in leftover_modules(model, find_blocks(model, ()))] == [["wte", "wpe"], ["ln_f", "head"]]
+
+
+def test_wrap_modules_by_class_name_and_typo():
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2))
+    assert [n for n, _ in find_blocks(model, ("CausalSelfAttention",))] == ["blocks.0.attn", "blocks.1.attn"]
+    with pytest.raises(ValueError, match="Did you mean 'Block'"):
+        find_blocks(model, ("Blok",))
+
+
+def test_bucketing_groups_consecutive_blocks_up_to_the_bucket():
+    blocks = [(f"b{i}", nn.Linear(10, 10)) for i in range(5)]  # 110 elements each
+    assert [u.names for u in group_units(blocks, 220)] == [["b0", "b1"], ["b2", "b3"], ["b4"]]
+    assert [u.names for u in group_units(blocks, 100)] == [["b0"], ["b1"], ["b2"], ["b3"], ["b4"]]
+    assert [u.numel for u in group_units(blocks, 10**9)] == [550]
+
+
+@pytest.mark.parametrize("stage,expected", [
+    (0, (4, 4, 8)), (1, (4, 4, 12 / 4)), (2, (4, 4 / 4, 12 / 4)), (3, (4 / 4, 4 / 4, 8 / 4)),
+])
+def test_zero_formula_fp32_adam(stage, expected):
+    psi, n = 1_000_000, 4
+    f = zero_formula(psi, n, stage)
+    assert (f.params, f.grads, f.optimizer) == tuple(int(e * psi) for e in expected)
+
+
+def test_zero_formula_mixed_precision_matches_the_paper():
+    """FACTS.md: baseline (2+2+K)Ψ; stage 1: 2Ψ+2Ψ+KΨ/N; stage 2: 2Ψ+(2+K)Ψ/N; stage 3: (2+2+K)Ψ/N, K=12."""
+    psi, n, k = 7_500_000, 8, 12
+    kw = dict(param_bytes=2, grad_bytes=2)
+    assert zero_formula(psi, n, 0, **kw).total == (2 + 2 + k) * psi
+    assert zero_formula(psi, n, 1, **kw).total == 2 * psi + 2 * psi + k * psi // n
+    assert zero_formula(psi, n, 2, **kw).total == 2 * psi + (2 + k) * psi // n
+    assert zero_formula(psi, n, 3, **kw).total == (2 + 2 + k) * psi // n
+
+
+def test_clip_grad_norm_matches_torch_on_plain_tensors():
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b):
+        p.grad = torch.randn_like(p) * 10
+        q.grad = p.grad.clone()
+    ours = clip_grad_norm_(a, 1.0)
+    ref = torch.nn.utils.clip_grad_norm_(b, 1.0)
+    assert torch.allclose(ours, ref)
+    for p, q in zip(a, b):
+        assert torch.allclose(p.grad, q.grad)
+    assert ours > 1.0  # the case where clipping does something
+    clip_grad_value_(a, 0.01)
+    assert all(p.grad.abs().max() <= 0.01 for p in a)
+
+
+def test_config_errors_name_the_field_and_allowed_values():
+    with pytest.raises(ValueError, match=r"zero.stage=4 .*Allowed values"):
+        ZeroConfig(stage=4)
+    with pytest.raises(ValueError, match="Did you mean 'reduce_bucket_size'"):
+        ZeroConfig.from_dict({"reduce_bucket_sise": 1})
+    with pytest.raises(ValueError, match="whole number"):
+        ZeroConfig(reduce_bucket_size=1.5)
+    with pytest.raises(ValueError, match="needs zero.stage=3"):
+        ZeroConfig(stage=2, hpz_partition_size=2)
+    assert ZeroConfig(reduce_bucket_size=5e5).unit_size == 500_000
+    assert AmpZeroConfig.from_dict({"zero": {"stage": 1}}).zero.stage == 1
+
+
+def test_strategy_arguments_are_the_config_fields():
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    s = AmpZeroStrategy(stage=3, reduce_bucket_size=5e6, hpz_partition_size=2)
+    assert s.config.zero == ZeroConfig(stage=3, reduce_bucket_size=5e6, hpz_partition_size=2)
+    with pytest.raises(TypeError, match="Did you mean 'prefetch_bucket_size'"):
+        AmpZeroStrategy(prefetch_bucket_sise=1)
+    with pytest.raises(ValueError, match="zero.stage=5"):
+        AmpZeroStrategy(stage=5)
+
+
+def test_stage3_refuses_a_model_built_outside_the_sharded_context():
+    with pytest.raises(RuntimeError, match="configure_model"):
+        check_built_for_stage3(nn.Linear(4, 4))
+    with torch.device("meta"):
+        meta = nn.Linear(4, 4)
+    check_built_for_stage3(meta)  # built on meta: fine
+
+
+def test_materialize_initialises_bottom_up():
+    """A parent's own init must win over its children's defaults (GPT's deterministic init)."""
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2)
+    eager = GPT(cfg)
+    with torch.device("meta"):
+        lazy = GPT(cfg)
+    materialize_meta_(lazy, torch.device("cpu"))
+    for (n, p), q in zip(eager.named_parameters(), lazy.parameters()):
+        assert torch.equal(p, q), n
