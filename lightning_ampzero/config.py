@@ -11,6 +11,7 @@ Sizes are counted in elements (parameters), as in DeepSpeed's config, and typed
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -97,6 +98,7 @@ class ZeroConfig:
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 COMM_DTYPES = ("fp32", "bf16", "fp16")
 AT_MIN_SCALE = ("raise", "skip", "warn")
+_DEFAULT_SAFE_MODULES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 
 
 @dataclass(frozen=True)
@@ -146,20 +148,28 @@ class LossScalerConfig:
 class PrecisionConfig:
     """Numerics of the step: autocast or low-precision parameters, loss scaling, comm dtype.
 
+    Which op runs in which dtype for each precision: docs/precision.md.
+
     Attributes:
         precision: a Lightning precision string, or ``None`` to take the Trainer's ``precision=``.
-        loss_scaler: used by fp16 precisions ("16-mixed", "16-true").
-        check_grad_overflow: bf16: still skip steps whose gradients are non-finite (one collective).
-        lower_precision_safe_modules: "-mixed": class names whose gradients are reduced (and under
-            stage 3 parameters all-gathered) in the low dtype; everything else communicates in fp32.
-        communication_data_type: dtype of gradient reduction; ``None`` = fp32 for "-mixed" (except
-            the safe modules above) and the compute dtype for "-true".
+            When set it wins over the Trainer's: the way to get "16-mixed" on CPU, where Lightning
+            rewrites the Trainer's "16-mixed" to "bf16-mixed" before any strategy sees it.
+        loss_scaler: used by fp16 precisions ("16-mixed", "16-true"); configuring it for another
+            precision is an error.
+        check_grad_overflow: bf16 / fp32: still skip steps whose gradients are non-finite on any
+            rank (one fused check, one collective). fp16 always checks.
+        lower_precision_safe_modules: "-mixed": exact class names (``type(m).__name__``, no
+            subclasses) whose gradients are reduced (and under stage 3 parameters all-gathered) in
+            the low dtype; everything else communicates in fp32. Only valid with "-mixed".
+        communication_data_type: dtype of every gradient reduction; ``None`` = fp32 for "-mixed"
+            (except the safe modules above), the compute dtype for "-true", fp32 for "32-true".
+            "fp16" needs an fp16 precision (loss-scaled gradients).
     """
 
     precision: Optional[str] = None
     loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
     check_grad_overflow: bool = False
-    lower_precision_safe_modules: tuple[str, ...] = ("Linear", "Conv1d", "Conv2d", "Conv3d")
+    lower_precision_safe_modules: tuple[str, ...] = _DEFAULT_SAFE_MODULES
     communication_data_type: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -167,7 +177,52 @@ class PrecisionConfig:
             check_choice("precision", "precision", self.precision, PRECISIONS)
         if self.communication_data_type is not None:
             check_choice("precision", "communication_data_type", self.communication_data_type, COMM_DTYPES)
+        if not isinstance(self.check_grad_overflow, bool):
+            raise ValueError(f"precision.check_grad_overflow must be true or false, got {self.check_grad_overflow!r}.")
+        if isinstance(self.lower_precision_safe_modules, str):
+            raise ValueError(
+                "precision.lower_precision_safe_modules must be a list of class names, got the string"
+                f" {self.lower_precision_safe_modules!r}."
+            )
         object.__setattr__(self, "lower_precision_safe_modules", tuple(self.lower_precision_safe_modules))
+        for name in self.lower_precision_safe_modules:
+            if not isinstance(name, str) or not name or "." in name:
+                raise ValueError(
+                    f"precision.lower_precision_safe_modules must hold class names such as 'Linear' (no module"
+                    f" path), got {name!r}."
+                )
+        if self.precision is not None:
+            self.check_combination(self.precision)
+
+    def check_combination(self, precision: str) -> None:
+        """Reject settings that contradict ``precision`` (the resolved one), naming both.
+
+        Called here when ``precision`` is set, and by the precision plugin once the Trainer's
+        precision is known.
+        """
+        fp16 = precision in ("16-mixed", "16-true")
+        if not fp16 and self.loss_scaler != LossScalerConfig():
+            changed = [f"{f.name}={getattr(self.loss_scaler, f.name)!r}" for f in dataclasses.fields(LossScalerConfig)
+                       if getattr(self.loss_scaler, f.name) != getattr(LossScalerConfig(), f.name)]
+            raise ValueError(
+                f"precision.loss_scaler is configured ({', '.join(changed)}) but precision={precision!r} does not"
+                " scale the loss: only '16-mixed' and '16-true' (float16) do. bf16 has fp32's range and needs no"
+                " scaling; to still skip steps whose gradients are inf/NaN set precision.check_grad_overflow=true"
+                " and remove the loss_scaler settings, or choose an fp16 precision."
+            )
+        if self.communication_data_type == "fp16" and not fp16:
+            raise ValueError(
+                f"precision.communication_data_type='fp16' with precision={precision!r}: gradients are not loss-"
+                "scaled in this precision, so reducing them in float16 under- and overflows. Use 'bf16' or 'fp32',"
+                " or an fp16 precision ('16-mixed', '16-true')."
+            )
+        if not precision.endswith("-mixed") and self.lower_precision_safe_modules != _DEFAULT_SAFE_MODULES:
+            raise ValueError(
+                f"precision.lower_precision_safe_modules={list(self.lower_precision_safe_modules)} only applies to"
+                f" autocast ('16-mixed', 'bf16-mixed'), not to precision={precision!r}: under '-true' every module"
+                " computes and communicates in the low dtype, under '32-true' none does. Remove the setting or choose"
+                " a '-mixed' precision."
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "PrecisionConfig":

@@ -416,9 +416,9 @@ class ImportedDeepSpeedConfig:
 
     Attributes:
         config: the strategy's typed config.
-        trainer: Trainer settings the JSON carries (``precision``, ``gradient_clip_val``,
-            ``gradient_clip_algorithm``, ``accumulate_grad_batches``); applied by
-            :meth:`apply_to_trainer`.
+        trainer: Trainer settings the JSON carries (``gradient_clip_val``, ``gradient_clip_algorithm``,
+            ``accumulate_grad_batches``); applied by :meth:`apply_to_trainer`. The precision is in
+            ``config.precision.precision``.
         micro_batch_size, train_batch_size: DeepSpeed's batch sizes (the DataLoader's batch size
             is the micro-batch; checked against the world size in :meth:`apply_to_trainer`).
         optimizer, scheduler: used when the LightningModule configures no optimizer.
@@ -465,15 +465,15 @@ class ImportedDeepSpeedConfig:
             elif current != accumulate:
                 _warn(f"Trainer(accumulate_grad_batches={current}) is used; the DeepSpeed config's"
                       f" gradient_accumulation_steps={accumulate} is ignored.")
-        precision = self.trainer.get("precision")
+        precision = self.config.precision.precision
         trainer_precision = str(getattr(trainer, "precision", "32-true"))
         if precision is not None and trainer_precision not in ("32-true", precision):
             _warn(f"Trainer(precision={trainer_precision!r}) differs from the DeepSpeed config's precision"
                   f" ({precision!r}); the DeepSpeed config's is used.")
         self._check_batch(trainer)
         module = getattr(trainer, "lightning_module", None)
-        if module is not None and (self.optimizer is not None or self.scheduler is not None):
-            self._install_optimizers(module, trainer)
+        if module is not None:
+            self.install_optimizers(module)
 
     def _check_batch(self, trainer: Any) -> None:
         world = int(getattr(trainer, "world_size", 1) or 1)
@@ -486,7 +486,17 @@ class ImportedDeepSpeedConfig:
                 f" ({world}) = {micro * accumulate * world}."
             )
 
-    def _install_optimizers(self, module: Any, trainer: Any) -> None:
+    def install_optimizers(self, module: Any) -> None:
+        """Let ``module`` fall back to the ``optimizer`` / ``scheduler`` sections (idempotent).
+
+        Its ``configure_optimizers`` is wrapped on the instance: when the class does not override
+        it, or its result is None, the sections are built (DeepSpeed's behaviour); otherwise the
+        module's own optimizer wins, with a warning that the sections are ignored. Called by
+        ``AmpZeroStrategy.connect`` (Lightning rejects a module without configure_optimizers
+        before the strategy's setup runs).
+        """
+        if self.optimizer is None and self.scheduler is None:
+            return
         original = module.configure_optimizers
         if getattr(original, "_ampzero_deepspeed", False):
             return
@@ -501,7 +511,7 @@ class ImportedDeepSpeedConfig:
                 _warn("The LightningModule configures its own optimizer; the DeepSpeed config's optimizer/scheduler"
                       " sections are ignored.")
                 return result
-            return imported.configure_optimizers(this, trainer)
+            return imported.configure_optimizers(this, this.trainer)
 
         configure_optimizers._ampzero_deepspeed = True  # type: ignore[attr-defined]
         module.configure_optimizers = types.MethodType(configure_optimizers, module)
@@ -551,9 +561,8 @@ class ImportedDeepSpeedConfig:
         prec = _diff(self.config.precision, PrecisionConfig(precision=self.config.precision.precision))
         if prec:
             out["precision"] = prec
-        trainer = {k: v for k, v in self.trainer.items() if k != "precision"}
-        if trainer:
-            out["trainer"] = trainer
+        if self.trainer:
+            out["trainer"] = dict(self.trainer)
         micro = self.micro_batch(world_size)
         if micro is not None:
             out["data"] = {"batch_size": micro}
@@ -568,7 +577,7 @@ class ImportedDeepSpeedConfig:
     def hydra_groups(self) -> dict[str, str]:
         """Config-group choices: ``{"strategy": "zero3", "precision": "16-mixed"}``."""
         groups = {"strategy": f"zero{self.config.zero.stage}"}
-        precision = self.trainer.get("precision") or self.config.precision.precision
+        precision = self.config.precision.precision
         if precision is not None:
             groups["precision"] = precision
         return groups
@@ -805,16 +814,29 @@ class _Converter:
         bf16_key = "bfloat16" if "bfloat16" in data else "bf16"
         bf16 = self.section(data.get(bf16_key), bf16_key)
         autocast = self.section(data.get("torch_autocast"), "torch_autocast")
-        if fp16:
-            self.walk(fp16, _FP16, "fp16")
-        if bf16:
-            self.walk(bf16, _BF16, bf16_key)
-        self.check_keys(autocast, _AUTOCAST, "torch_autocast")
         chosen: list[tuple[str, str]] = []
-        if fp16 and self.flag(fp16, "fp16"):
+        fp16_on = self.flag(fp16, "fp16") if fp16 else False
+        if fp16_on:
+            self.walk(fp16, _FP16, "fp16")
             chosen.append(("16-mixed", "fp16.enabled"))
             if fp16.get("auto_cast") not in (None, False, True) and not _is_auto(fp16.get("auto_cast")):
                 self.errors.append(f"fp16.auto_cast must be true or false, got {fp16['auto_cast']!r}.")
+        elif fp16:
+            # Like DeepSpeed, the scaler keys only count when fp16 is on. With "auto" the Trainer's
+            # precision decides; non-default scaler values would then be lost: say so.
+            self.check_keys(fp16, _FP16, "fp16")
+            default = LossScalerConfig()
+            changed = [k for k, target in _FP16.items() if isinstance(target, str) and k in fp16
+                       and not _is_auto(fp16[k]) and fp16[k] != getattr(default, target.rsplit(".", 1)[-1])]
+            if fp16_on is None and changed:
+                self.no_effect.append((
+                    "fp16." + "/".join(changed),
+                    "fp16.enabled is \"auto\": for these loss-scaler values use precision=\"16-mixed\" and"
+                    " PrecisionConfig(loss_scaler=...)",
+                ))
+        if bf16:
+            self.walk(bf16, _BF16, bf16_key)
+        self.check_keys(autocast, _AUTOCAST, "torch_autocast")
         if bf16 and self.flag(bf16, bf16_key):
             chosen.append(("bf16-mixed", f"{bf16_key}.enabled"))
         if autocast and self.flag(autocast, "torch_autocast"):
@@ -837,7 +859,8 @@ class _Converter:
         if len(distinct) > 1:
             self.errors.append(" and ".join(k for _, k in chosen) + " are all set: enable one precision.")
         elif distinct:
-            self.values["trainer.precision"] = (distinct[0], chosen[0][1])
+            # In the strategy's config, so it holds whatever the Trainer's precision= says.
+            self.values["precision.precision"] = (distinct[0], chosen[0][1])
         comm = data.get("communication_data_type")
         if comm is not None:
             mapped = _COMM_DTYPES.get(str(comm).lower())
@@ -988,8 +1011,6 @@ class _Converter:
 
     def _trainer(self, trainer: dict[str, tuple[Any, str]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        if "precision" in trainer:
-            out["precision"] = trainer["precision"][0]
         if "gradient_clip_val" in trainer:
             value, key = trainer["gradient_clip_val"]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -277,7 +278,10 @@ def structured(cls: type) -> type:
             fields.append((f.name, otype, field(default_factory=functools.partial(_copy, _plain(value)))))
         else:
             fields.append((f.name, otype, field(default=value)))
-    return dataclasses.make_dataclass(cls.__name__, fields, module=__name__)
+    twin = dataclasses.make_dataclass(cls.__name__, fields)
+    twin.__module__ = __name__
+    twin.__doc__ = f"Structured-config twin of {cls.__module__}.{cls.__qualname__} (see hydra_schema)."
+    return twin
 
 
 def _copy(value: Any) -> Any:
@@ -287,7 +291,11 @@ def _copy(value: Any) -> Any:
 
 
 def _twin_instance(twin: type, value: Any) -> Any:
-    return twin(**{k: _plain(v) for k, v in dataclasses.asdict(value).items()})
+    kwargs = {}
+    for f in dataclasses.fields(value):
+        v = getattr(value, f.name)
+        kwargs[f.name] = _twin_instance(structured(type(v)), v) if dataclasses.is_dataclass(v) else _plain(v)
+    return twin(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -353,8 +361,19 @@ def typed_config(cfg: Any) -> TrainAppConfig:
         try:
             kwargs[name] = config_from_dict(types_[name], value, path=name)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"Invalid value in config group '{name}' ({types_[name].__name__}): {e}") from None
+            message = str(e)
+            # The typed configs name their own sections ("zero.stage"); say it as the user wrote it.
+            for section, node in _SECTION_NAMES.get(name, ()):
+                message = re.sub(rf"(?<![\w.]){re.escape(section)}\.", f"{node}.", message)
+            raise ValueError(f"Invalid value in config group '{name}' ({types_[name].__name__}): {message}") from None
     return TrainAppConfig(**kwargs)
+
+
+#: node -> (section name used in the typed configs' messages, its path in this config)
+_SECTION_NAMES = {
+    "strategy": (("zero", "strategy"),),
+    "precision": (("loss_scaler", "precision.loss_scaler"),),
+}
 
 
 def _did_you_mean(key: str, allowed: Any) -> str:

@@ -72,6 +72,11 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
             f"config must be an AmpZeroConfig, a DeepSpeed config (dict or path to a JSON file) or None,"
             f" got {type(config).__name__}."
         )
+    if isinstance(overrides.get("precision"), str):
+        # [precision] AmpZeroStrategy(precision="16-mixed"): shorthand for the precision config's
+        # `precision`, which wins over the Trainer's flag (the way to get 16-mixed on CPU).
+        overrides = dict(overrides)
+        cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, precision=overrides.pop("precision")))
     top = {f.name for f in dataclasses.fields(AmpZeroConfig)}
     zero = {f.name for f in dataclasses.fields(ZeroConfig)}
     top_kw = {k: v for k, v in overrides.items() if k in top}
@@ -97,7 +102,8 @@ class AmpZeroStrategy(ParallelStrategy):
         **overrides: fields of :class:`ZeroConfig` (``stage``, ``reduce_bucket_size``,
             ``allgather_bucket_size``, ``prefetch_bucket_size``, ``param_persistence_threshold``,
             ``hpz_partition_size``, ``wrap_modules``, ``timeout_s``, ``process_group_backend``) or of
-            :class:`AmpZeroConfig` (``precision``, ...).
+            :class:`AmpZeroConfig` (``precision``, ...). ``precision`` may be a precision string
+            ("16-mixed", ...): it sets ``PrecisionConfig.precision``, which wins over ``Trainer(precision=)``.
     """
 
     strategy_name = "ampzero"
@@ -210,6 +216,14 @@ class AmpZeroStrategy(ParallelStrategy):
         with torch.device("meta") if self.stage == 3 else nullcontext():
             yield
 
+    def connect(self, model: "pl.LightningModule") -> None:
+        super().connect(model)
+        # A DeepSpeed config's optimizer/scheduler sections stand in for a missing
+        # configure_optimizers; install them here, before Lightning checks that the module has
+        # one (_verify_loop_configurations runs between connect() and setup()). See deepspeed.py.
+        if self.imported is not None:
+            self.imported.install_optimizers(model)
+
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -225,13 +239,20 @@ class AmpZeroStrategy(ParallelStrategy):
             module = self.precision_plugin.convert_module(module)
             module.to(self.root_device)
             self.model = self._wrap_ddp(module)
+            # [precision] DDP has no mixed-precision policy: the plugin adds "-true" compute copies
+            # of the fp32 parameters and a comm hook for the reduction dtypes (precision/ddp.py).
+            self.precision_plugin.setup_ddp(self.model)
         else:
             if self.stage == 3:
                 check_built_for_stage3(module)
             module = self.precision_plugin.convert_module(module)
             if not any(p.is_meta for p in module.parameters()):
                 module.to(self.root_device)
-            self.units = apply_zero(module, self.device_mesh, self.config.zero, self.precision_plugin.mp_policy)
+            # [precision] one FSDP2 policy for every unit, plus the modules that need a unit and a
+            # policy of their own ("-mixed": lower_precision_safe_modules reduce in the low dtype).
+            mp_policy, module_policies = self.precision_plugin.fsdp_policies(module, self.stage)
+            self.units = apply_zero(module, self.device_mesh, self.config.zero, mp_policy,
+                                    module_policies=module_policies)
             materialize_meta_(module, self.root_device)
             from torch.distributed.fsdp import register_fsdp_forward_method
 
@@ -342,7 +363,7 @@ class AmpZeroStrategy(ParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{i}"] = opt_state
-        save_sharded(path, state, checkpoint, is_global_zero=self.is_global_zero)
+        save_sharded(path, state, checkpoint, is_global_zero=self.is_global_zero, barrier=self.barrier)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
@@ -350,6 +371,18 @@ class AmpZeroStrategy(ParallelStrategy):
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         return load_sharded(path, self._state_module(), optimizers, strict=self.lightning_module.strict_loading,
                             weights_only=weights_only)
+
+    def save_consolidated(self, path: Any, dtype: Optional[str] = "bf16", fmt: str = "safetensors",
+                          max_shard_size: Any = None) -> list[Path]:
+        """Write the whole model (e.g. 16-bit weights at the end of training) as plain state-dict file(s).
+
+        Collective (call it on every rank); each parameter is gathered alone, so no rank holds the
+        whole model. Loads with ``load_state_dict`` into the unwrapped LightningModule.
+        """
+        from lightning_ampzero.checkpoint.consolidate import export_consolidated
+
+        return export_consolidated(self._state_module(), Path(self.broadcast(str(path))), dtype=dtype, fmt=fmt,
+                                   max_shard_size=max_shard_size, is_global_zero=self.is_global_zero)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

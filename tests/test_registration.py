@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-import lightning_ampzero
 from lightning_ampzero import _compat
 from lightning_ampzero._registry import STRATEGY_VARIANTS
 
 EXPECTED_NAMES = {"ampzero", "ampzero_stage_0", "ampzero_stage_1", "ampzero_stage_2", "ampzero_stage_3"}
 OPT_OUT = "LIGHTNING_AMPZERO_NO_AUTOREGISTER"
-PACKAGE_DIR = Path(lightning_ampzero.__file__).resolve().parent
+# The checkout these tests belong to. Since the .pth imports lightning_ampzero at start-up, the
+# installed copy wins over the current directory, for every test of the suite: it must be this one.
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "lightning_ampzero"
 INSTALL_HINT = 'install the package from the repository root: pip install -e ".[dev]"'
 FLAVORS = {  # flavor -> (Trainer package, module of our strategy class in that flavor)
     "lightning": ("lightning.pytorch", "lightning_ampzero.strategy"),
@@ -236,3 +237,18 @@ def test_rewritten_modules_pass_the_import_check():
         spec = importlib.util.find_spec(name)
         source = _compat.rewrite_source(spec.loader.get_source(name))
         _compat._check_imports(ast.parse(source), name, spec.origin)
+
+
+def test_public_api_resolves_lazily():
+    import importlib.metadata
+
+    import lightning_ampzero
+
+    assert lightning_ampzero.__version__ == importlib.metadata.version("lightning-ampzero")
+    for name in lightning_ampzero.__all__:
+        assert getattr(lightning_ampzero, name) is not None
+        assert name in dir(lightning_ampzero)
+    assert lightning_ampzero.AmpZeroStrategy is _compat.strategy_class("lightning")
+    assert lightning_ampzero.AmpZeroPrecision is _compat.precision_class("lightning")
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        lightning_ampzero.NoSuchThing

@@ -46,3 +46,17 @@ def test_training_is_not_trivial(runs):
     assert plain[-1] < plain[0] - 0.5
     assert max_rel_diff(clipped, plain) > 1e-3
     assert max_rel_diff(by_value, plain) > 1e-3
+
+
+def test_stage3_options_on_four_ranks(tmp_path):
+    """hpZ (secondary partition over pairs of ranks), explicit prefetch with small buckets and
+    no persistent units: still the single-process trajectory."""
+    import json
+
+    kwargs = {"hpz_partition_size": 2, "param_persistence_threshold": 0, "prefetch_bucket_size": 1e5,
+              "reduce_bucket_size": 6e4}
+    ref = run_json("parity.py", tmp_path / "ref.json", "--configs", "0:1:none", "--reference", "--devices", "1",
+                   "--steps", "10")["0:1:none"]
+    got = run_json("parity.py", tmp_path / "hpz.json", "--configs", "3:1:none", "--devices", "4", "--steps", "10",
+                   "--strategy-kwargs", json.dumps(kwargs), timeout=900)["3:1:none"]
+    assert max_rel_diff(got, ref) < TOL

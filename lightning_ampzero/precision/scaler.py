@@ -207,6 +207,16 @@ class _ScalerBase:
     def is_enabled(self) -> bool:
         return True
 
+    @property
+    def checks_overflow(self) -> bool:
+        """Whether ``step`` can skip (fp16, or bf16/fp32 with the overflow check): the caller must log it."""
+        return self._checks_overflow
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``unscale_`` found non-finite gradients (on any rank) for ``optimizer`` this iteration."""
+        state = self._per_optimizer.get(id(optimizer))
+        return bool(state and state["found_inf"])
+
     def get_scale(self) -> float:
         return self._scale
 

@@ -17,7 +17,7 @@ Stage 0 is plain DDP and handled by the strategy; it never reaches this module.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -58,8 +58,16 @@ def apply_zero(
     mesh: DeviceMesh,
     cfg: ZeroConfig,
     mp_policy: Optional[MixedPrecisionPolicy] = None,
+    *,
+    module_policies: Optional[Mapping[nn.Module, MixedPrecisionPolicy]] = None,
 ) -> list[Unit]:
-    """Shard ``model`` in place for ``cfg.stage`` (1-3); returns the communication units, root last."""
+    """Shard ``model`` in place for ``cfg.stage`` (1-3); returns the communication units, root last.
+
+    ``mp_policy`` applies to every unit. ``module_policies`` (from the precision plugin) names
+    modules that need a different policy: FSDP2 takes one policy per unit, so each becomes a unit
+    of its own, nested inside its block's unit (or, if it is a unit already, that unit takes the
+    policy). The nested units are not in the returned list.
+    """
     if cfg.stage == 0:
         raise ValueError("apply_zero handles stages 1-3; stage 0 is plain DDP (the strategy wraps it).")
     if cfg.hpz_partition_size > 1 and mesh.size() % cfg.hpz_partition_size:
@@ -72,9 +80,26 @@ def apply_zero(
     units = group_units(blocks, cfg.unit_size)
     for run in leftover_modules(model, blocks):
         units.extend(group_units(run, cfg.unit_size))
+    # [precision] modules with a policy of their own (e.g. the Linear layers under "-mixed"),
+    # sharded first: bottom-up, a unit's parameters are those no inner unit claimed.
+    module_policies = dict(module_policies or {})
+    single = {id(u.modules[0]) for u in units if len(u.modules) == 1}
+    for name, module in model.named_modules():
+        if module in module_policies and module is not model and id(module) not in single:
+            numel = sum(p.numel() for p in module.parameters())
+            fully_shard(module, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, Unit([module], [name], numel)),
+                        mp_policy=module_policies[module])
     # Bottom-up: inner units first, so the root unit keeps only what no unit claimed.
     for unit in units:
-        fully_shard(unit.target, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, unit), mp_policy=mp_policy)
+        if len(unit.modules) == 1:
+            target, policy = unit.target, module_policies.get(unit.modules[0], mp_policy)
+        else:
+            # [precision] a grouped unit leaves out the members sharded above with their own policy.
+            rest = [m for m in unit.modules if m not in module_policies]
+            if not rest:
+                continue
+            target, policy = (rest[0] if len(rest) == 1 else rest), mp_policy
+        fully_shard(target, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, unit), mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy)
 
     # Prefetch follows execution order, which for the usual model (embeddings, blocks, head)

@@ -1,0 +1,271 @@
+"""``MemoryReport``: measured memory per rank by category during training, beside the estimate.
+
+Add it to any Trainer (``callbacks=[MemoryReport()]``); it works with every strategy, and knows
+the stage and ZeRO settings of ``AmpZeroStrategy``. On every rank it measures
+
+* model states with :func:`lightning_ampzero.memory.measure_model_state` (storages of
+  parameters, gathered parameters, gradients and optimizer states; peak per category and peak
+  of the total), sampled after each backward and each optimizer step;
+* activations: bytes of the tensors one micro-batch's forward saved for backward (parameters
+  excluded, each storage once), on the second micro-batch of training;
+* peak resident memory of the process (``ru_maxrss``).
+
+Every ``log_every_n_steps`` optimizer steps the figures of all ranks are gathered and logged
+to the Trainer's loggers (``memory/rank{r}/{category}_mib``) with the estimate of
+:mod:`lightning_ampzero.estimate` beside them (``memory/estimate/{category}_mib``). At the end
+of training ``report`` holds everything on rank 0, and a rich table is printed if
+``print_table``.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning.pytorch.callbacks import Callback
+
+from lightning_ampzero.estimate import (
+    PRECISIONS,
+    ActivationTrace,
+    Estimate,
+    estimate,
+    format_bytes,
+    model_size,
+)
+from lightning_ampzero.memory import as_zero_categories, measure_model_state
+
+__all__ = ["MemoryReport"]
+
+_CATEGORIES = ("params", "grads", "optimizer", "model_states", "activations", "peak_rss")
+_SAMPLE_FIRST_STEPS = 3
+
+
+def _peak_rss_bytes() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+class _SavedBytes:
+    """Counts the storages autograd saves for backward while entered (parameters excluded)."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, int] = {}
+        self._ctx: Any = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = getattr(t, "_base", None)
+        if not isinstance(t, nn.Parameter) and not isinstance(base, nn.Parameter):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            storage = local.untyped_storage()
+            self.sizes[storage._cdata] = storage.nbytes()
+        return t
+
+    def __enter__(self) -> "_SavedBytes":
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+            self._ctx = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes.values())
+
+
+class MemoryReport(Callback):
+    """Measures memory per rank by category and reports it beside the estimate.
+
+    Args:
+        log_every_n_steps: gather and log every this many optimizer steps (0: only at the end).
+        print_table: print a rich table on rank 0 when training ends.
+        activation_estimate: an :class:`~lightning_ampzero.estimate.ActivationTrace` of the same
+            micro-batch (e.g. from :func:`~lightning_ampzero.estimate.gpt_activations`) to show
+            beside the measured activations.
+        checkpointing: the activation-checkpointing setting to read from ``activation_estimate``.
+        optimizer: optimizer name for the estimate; ``None`` infers it from the optimizer state
+            (two states per parameter: Adam, one: SGD with momentum, none: SGD).
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int = 50,
+        print_table: bool = True,
+        activation_estimate: Optional[ActivationTrace] = None,
+        checkpointing: str = "none",
+        optimizer: Optional[str] = None,
+    ) -> None:
+        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
+            raise ValueError(f"log_every_n_steps must be a whole number >= 0, got {log_every_n_steps!r}.")
+        if activation_estimate is not None:
+            activation_estimate.bytes(checkpointing)  # validates the setting
+        self.log_every_n_steps = log_every_n_steps
+        self.print_table = print_table
+        self.activation_estimate = activation_estimate
+        self.checkpointing = checkpointing
+        self.optimizer = optimizer
+        self.report: dict[str, Any] = {}
+        self._peak: dict[str, int] = {}
+        self._peak_total = 0
+        self._activations: Optional[int] = None
+        self._saved: Optional[_SavedBytes] = None
+        self._last_logged = -1
+
+    # -- measuring ---------------------------------------------------------------------
+    def _sample(self, trainer: Any, pl_module: nn.Module) -> None:
+        m = measure_model_state(pl_module, trainer.optimizers)
+        for k, v in m.items():
+            self._peak[k] = max(self._peak.get(k, 0), v)
+        self._peak_total = max(self._peak_total, sum(m.values()))
+
+    def _sampling(self, trainer: Any) -> bool:
+        step = trainer.global_step
+        return step < _SAMPLE_FIRST_STEPS or (self.log_every_n_steps > 0 and step % self.log_every_n_steps == 0)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 1 and self._activations is None:
+            self._saved = _SavedBytes().__enter__()
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        if self._saved is not None:
+            self._saved.__exit__(None, None, None)
+            self._activations = self._saved.total
+            self._saved = None
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        if self._sampling(trainer):
+            self._sample(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._saved is not None:  # the step had no backward (manual optimization without one)
+            self._saved.__exit__(None, None, None)
+            self._saved = None
+        if not self._sampling(trainer):
+            return
+        self._sample(trainer, pl_module)
+        step = trainer.global_step
+        # every rank sees the same global_step, so all of them enter the gather together
+        if self.log_every_n_steps and step > self._last_logged and step % self.log_every_n_steps == 0:
+            self._last_logged = step
+            self._log(trainer, pl_module, step)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._saved is not None:
+            self._saved.__exit__(None, None, None)
+            self._saved = None
+        ranks = self._gather(trainer, self._local(trainer))
+        est = self._estimate(trainer, pl_module)
+        if not trainer.is_global_zero:
+            return
+        self.report = {
+            "stage": _stage(trainer),
+            "world_size": trainer.world_size,
+            "per_rank": ranks,
+            "estimate": est.as_dict() if est is not None else None,
+            "activation_estimate": (self.activation_estimate.bytes(self.checkpointing)
+                                    if self.activation_estimate is not None else None),
+        }
+        self._log_dict(trainer, ranks, est, trainer.global_step)
+        if self.print_table:
+            render_memory_report(self.report)
+
+    # -- gathering and logging ---------------------------------------------------------
+    def _local(self, trainer: Any) -> list[float]:
+        cats = as_zero_categories(self._peak, _stage(trainer)) if self._peak else None
+        return [
+            float(cats.params if cats else 0), float(cats.grads if cats else 0),
+            float(cats.optimizer if cats else 0), float(self._peak_total),
+            float(self._activations if self._activations is not None else -1), float(_peak_rss_bytes()),
+        ]
+
+    @staticmethod
+    def _gather(trainer: Any, local: list[float]) -> list[dict[str, Any]]:
+        t = torch.tensor(local, dtype=torch.float64)
+        if trainer.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+                dist.all_gather(out, t)
+                t = torch.stack(out)
+        rows = t.reshape(-1, len(_CATEGORIES)).tolist()
+        return [
+            {"rank": r, **{k: (None if k == "activations" and v < 0 else int(v)) for k, v in zip(_CATEGORIES, row)}}
+            for r, row in enumerate(rows)
+        ]
+
+    def _log(self, trainer: Any, pl_module: Any, step: int) -> None:
+        ranks = self._gather(trainer, self._local(trainer))
+        if trainer.is_global_zero:
+            self._log_dict(trainer, ranks, self._estimate(trainer, pl_module), step)
+
+    def _log_dict(self, trainer: Any, ranks: list[dict[str, Any]], est: Optional[Estimate], step: int) -> None:
+        metrics: dict[str, float] = {}
+        for r in ranks:
+            for k in _CATEGORIES:
+                if r.get(k) is not None:
+                    metrics[f"memory/rank{r['rank']}/{k}_mib"] = r[k] / 2**20
+        if est is not None:
+            for k, v in (("params", est.gpu_params), ("grads", est.gpu_grads), ("optimizer", est.gpu_optimizer),
+                         ("working", est.gpu_working), ("model_states", est.gpu)):
+                metrics[f"memory/estimate/{k}_mib"] = v / 2**20
+        if self.activation_estimate is not None:
+            metrics["memory/estimate/activations_mib"] = self.activation_estimate.bytes(self.checkpointing) / 2**20
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def _estimate(self, trainer: Any, pl_module: nn.Module) -> Optional[Estimate]:
+        strategy = trainer.strategy
+        config = getattr(strategy, "config", None)
+        zero = getattr(config, "zero", None)
+        precision = str(getattr(trainer.precision_plugin, "precision", trainer.precision))
+        precision = precision if precision in PRECISIONS else "32-true"
+        try:
+            size = model_size(pl_module, zero)
+            nodes = max(1, int(getattr(trainer, "num_nodes", 1)))
+            return estimate(size, _stage(trainer), gpus_per_node=max(1, trainer.world_size // nodes), nodes=nodes,
+                            precision=precision, optimizer=self.optimizer or _infer_optimizer(trainer), zero=zero)
+        except ValueError:
+            return None
+
+
+def _stage(trainer: Any) -> int:
+    stage = getattr(trainer.strategy, "stage", None)
+    return int(stage) if isinstance(stage, int) else 0
+
+
+def _infer_optimizer(trainer: Any) -> str:
+    for opt in trainer.optimizers:
+        opt = getattr(opt, "_optimizer", opt)
+        for state in opt.state.values():
+            n = sum(1 for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
+            return {0: "sgd", 1: "sgd-momentum"}.get(n, "adam")
+    return "adam"
+
+
+def render_memory_report(report: dict[str, Any], console: Any = None) -> None:
+    """Print a :class:`MemoryReport` report (measured per rank, estimate below) with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    title = f"memory per rank, ZeRO stage {report['stage']}, {report['world_size']} ranks (measured peaks)"
+    table = Table(title=title, title_justify="left")
+    for col in ("rank", "params", "grads", "optimizer", "working set", "model states", "activations", "peak RSS"):
+        table.add_column(col, justify="right")
+    for r in report["per_rank"]:
+        table.add_row(str(r["rank"]), format_bytes(r["params"]), format_bytes(r["grads"]),
+                      format_bytes(r["optimizer"]), "", format_bytes(r["model_states"]),
+                      format_bytes(r["activations"]), format_bytes(r["peak_rss"]))
+    est = report.get("estimate")
+    if est:
+        table.add_row("estimate", format_bytes(est["gpu_params"]), format_bytes(est["gpu_grads"]),
+                      format_bytes(est["gpu_optimizer"]), format_bytes(est["gpu_working"]), format_bytes(est["gpu"]),
+                      format_bytes(report.get("activation_estimate")), "", style="italic")
+        if est.get("deepspeed_gpu") is not None:
+            table.add_row("DeepSpeed", "", "", "", "", format_bytes(est["deepspeed_gpu"]), "", "", style="dim")
+    console.print(table)

@@ -1,0 +1,65 @@
+"""``ampzero-config``: config tools.
+
+``ampzero-config from-deepspeed ds_config.json`` prints the ``ampzero-train`` command line
+equivalent to a DeepSpeed config; ``--yaml`` prints an experiment file instead, to save as
+``<config dir>/experiment/<name>.yaml`` and run with
+``ampzero-train --config-dir <config dir> experiment=<name>``. Keys with no effect here are
+listed on stderr; unknown keys fail with a suggestion (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import warnings
+from typing import Optional, Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ampzero-config", description="lightning_ampzero config tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ds = sub.add_parser(
+        "from-deepspeed",
+        help="convert a DeepSpeed JSON config to ampzero-train overrides or an experiment YAML",
+        description="Convert a DeepSpeed JSON config to ampzero-train overrides (default) or an experiment YAML.",
+    )
+    ds.add_argument("path", help="the DeepSpeed config (JSON)")
+    ds.add_argument("--yaml", action="store_true", help="print an experiment YAML instead of overrides")
+    ds.add_argument("--name", default="deepspeed", help="experiment name used in the YAML's comments")
+    ds.add_argument("--world-size", type=int, default=None,
+                    help="processes in total, to derive data.batch_size when the config gives only train_batch_size")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "from-deepspeed":
+        return _from_deepspeed(args)
+    return 2  # pragma: no cover - argparse rejects other commands
+
+
+def _from_deepspeed(args: argparse.Namespace) -> int:
+    from lightning_ampzero.deepspeed import DeepSpeedConfigError, convert_deepspeed_config
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # listed below, one line per key
+            imported = convert_deepspeed_config(args.path, warn=False)
+        if args.yaml:
+            text = imported.hydra_yaml(args.name, world_size=args.world_size)
+        else:
+            text = "ampzero-train " + " ".join(shlex.quote(o) for o in imported.hydra_overrides(args.world_size))
+    except (DeepSpeedConfigError, FileNotFoundError) as e:
+        print(f"ampzero-config: error: {e}", file=sys.stderr)
+        return 2
+    for key, reason in imported.no_effect:
+        print(f"ampzero-config: no effect: {key}: {reason}", file=sys.stderr)
+    for key in imported.auto:
+        print(f"ampzero-config: \"auto\": {key} takes ampzero-train's default", file=sys.stderr)
+    print(text.rstrip("\n"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

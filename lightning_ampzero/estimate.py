@@ -1,0 +1,790 @@
+"""Memory estimator and planner: will a configuration fit, and which is the fastest that does?
+
+Three figures per configuration (ZeRO stage x offload x activation checkpointing):
+
+* **model states per GPU** (parameters, gradients, optimizer states), in this project's FSDP2
+  accounting (:func:`lightning_ampzero.memory.zero_formula`, checked against measured storages
+  by the memory tests) plus the transient working set a rank holds while it computes: the
+  gathered parameters of the unit in use and the one prefetched after it, and the unsharded
+  gradients of a unit before its reduce-scatter (stages 2-3);
+* **host memory per node** (CPU RAM) and **NVMe per node** for the offloaded states, and the
+  whole-model copy each process builds on CPU before sharding when it is not built sharded;
+* **activations per GPU** for a micro-batch and sequence length, measured by tracing one forward
+  and backward on the meta device and counting the bytes of the tensors autograd saves for
+  backward (:func:`trace_activations`).
+
+Beside ours, :func:`deepspeed_estimate` gives DeepSpeed's own estimator figures
+(``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``, with its
+GPUs-per-node, nodes, ``zero_init`` and ``additional_buffer_factor`` options), so users who know
+those numbers can compare. DeepSpeed's figures assume fp16 mixed precision with Adam; ours follow
+the precision and optimizer given.
+
+:func:`plan` picks the fastest configuration that fits a GPU and CPU (and NVMe) budget. "Fastest"
+is the order documented at :data:`PLAN_ORDER`: fewest offloads first (every offload moves state
+over PCIe or to disk each step), then the lowest stage (each stage adds communication: stage 3
+gathers parameters twice per step), then the least recompute.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_ampzero.config import STAGES, ZeroConfig
+from lightning_ampzero.memory import ModelStateBytes, zero_formula
+
+__all__ = [
+    "CHECKPOINTING",
+    "OFFLOADS",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "ActivationTrace",
+    "Candidate",
+    "Estimate",
+    "ModelSize",
+    "Plan",
+    "deepspeed_estimate",
+    "estimate",
+    "estimate_all",
+    "gpt_activations",
+    "gpt_size",
+    "model_size",
+    "parse_bytes",
+    "parse_count",
+    "plan",
+    "trace_activations",
+]
+
+OFFLOADS = ("none", "optimizer=cpu", "optimizer=nvme", "params+optimizer=cpu", "params+optimizer=nvme")
+CHECKPOINTING = ("none", "full")
+
+# bytes per element: (compute parameters, gradients, fp32-or-not master copy, one optimizer state)
+PRECISIONS: dict[str, tuple[int, int, int, int]] = {
+    "32-true": (4, 4, 4, 4),
+    # ZeRO paper / DeepSpeed layout: 16-bit params and grads, fp32 master and states (K = 12).
+    "16-mixed": (2, 2, 4, 4),
+    "bf16-mixed": (2, 2, 4, 4),
+    # Everything 16-bit, optimizer states included: no separate master copy.
+    "16-true": (2, 2, 2, 2),
+    "bf16-true": (2, 2, 2, 2),
+}
+# optimizer states per parameter
+OPTIMIZERS = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}
+
+GiB = 2**30
+
+
+# ---------------------------------------------------------------------------------------
+# Parsing what users type: "7e9", "1.3B", "80GB", "512GiB"
+# ---------------------------------------------------------------------------------------
+
+_COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+_BYTE_SUFFIX = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_NUMBER = r"([0-9][0-9_,]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?)"
+
+
+def parse_count(value: Any, what: str = "count") -> int:
+    """A whole number of elements from ``7e9``, ``1.3B``, ``350M``, ``125K``, ``7,000,000`` or a number."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a number, got {value!r}.")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        m = re.fullmatch(_NUMBER + r"\s*([A-Za-z]*)", str(value).strip())
+        suffix = m.group(2).upper() if m else None
+        if m is None or suffix not in _COUNT_SUFFIX:
+            raise ValueError(
+                f"{what}={value!r} is not a count. Write a number with an optional suffix K (10^3), M (10^6),"
+                " B or G (10^9), T (10^12), e.g. 7e9, 1.3B, 350M, 125K."
+            )
+        number = float(m.group(1).replace("_", "").replace(",", "")) * _COUNT_SUFFIX[suffix]
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{what}={value!r} must be a finite number >= 0.")
+    if abs(number - round(number)) > 1e-6 * max(1.0, number):
+        raise ValueError(f"{what}={value!r} must be a whole number of elements, got {number}.")
+    return int(round(number))
+
+
+def parse_bytes(value: Any, what: str = "memory") -> int:
+    """Bytes from ``80GB`` (10^9), ``80GiB`` (2^30), ``512 MiB``, ``1.5TB`` or a plain number of bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a size, got {value!r}.")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        text = str(value).strip()
+        m = re.fullmatch(_NUMBER + r"\s*([A-Za-z]*)", text)
+        suffix = m.group(2).upper() if m else None
+        if m is None or suffix not in _BYTE_SUFFIX:
+            hint = ""
+            if suffix in ("K", "M", "G", "T"):
+                hint = f" ({text!r} is ambiguous: write {m.group(1)}{suffix}B for 10^n bytes or {m.group(1)}{suffix}iB for 2^n.)"
+            raise ValueError(
+                f"{what}={value!r} is not a size. Write a number with a unit: B, KB, MB, GB, TB (powers of 1000)"
+                f" or KiB, MiB, GiB, TiB (powers of 1024), e.g. 80GB, 79.6GiB, 512GiB.{hint}"
+            )
+        number = float(m.group(1).replace("_", "").replace(",", "")) * _BYTE_SUFFIX[suffix]
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{what}={value!r} must be a finite size >= 0.")
+    return int(number)
+
+
+def format_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    if n == 0:
+        return "0"
+    if n >= 0.1 * GiB:
+        return f"{n / GiB:,.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:,.1f} MiB"
+    return f"{n / 2**10:,.1f} KiB"
+
+
+def format_count(n: int) -> str:
+    for div, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{suffix}"
+    return str(n)
+
+
+# ---------------------------------------------------------------------------------------
+# Model size: parameter count, largest layer, FSDP2 communication units
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the model-state formulas need to know about a model.
+
+    Attributes:
+        numel: parameters Ψ (shared parameters counted once).
+        largest_layer: parameters owned directly by the largest module (DeepSpeed's definition,
+            ``sum(p.numel() for p in m.parameters(recurse=False))``): what DeepSpeed's ZeRO-3 gathers at once.
+        units: elements of each FSDP2 communication unit in execution order (what our stage 3
+            gathers at once), when known from a model; empty when only counts were given, in
+            which case every unit is taken to be ``largest_layer`` large.
+        root: elements left to the root unit (gathered for the whole forward and backward).
+        description: where the numbers come from, for tables.
+    """
+
+    numel: int
+    largest_layer: int
+    units: tuple[int, ...] = ()
+    root: int = 0
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.numel, bool) or not isinstance(self.numel, int) or self.numel < 1:
+            raise ValueError(f"the parameter count must be a whole number >= 1, got {self.numel!r}.")
+        if isinstance(self.largest_layer, bool) or not isinstance(self.largest_layer, int) or self.largest_layer < 1:
+            raise ValueError(f"the largest layer must be a whole number of parameters >= 1, got {self.largest_layer!r}.")
+        if self.largest_layer > self.numel:
+            raise ValueError(
+                f"the largest layer ({self.largest_layer:,} parameters) cannot exceed the whole model"
+                f" ({self.numel:,} parameters)."
+            )
+        object.__setattr__(self, "units", tuple(int(u) for u in self.units))
+
+    @property
+    def largest_unit(self) -> int:
+        return max(self.units) if self.units else self.largest_layer
+
+
+def model_size(module: nn.Module, zero: Optional[ZeroConfig] = None, description: str = "") -> ModelSize:
+    """Count a model's parameters (it may live on the meta device) and find its largest layer and units.
+
+    Units are grouped exactly as :func:`lightning_ampzero.zero.apply_zero` groups them for ``zero``
+    (its ``wrap_modules`` and bucket sizes), so the stage-3 working set follows the real wrapping.
+    """
+    from lightning_ampzero.zero.units import find_blocks, group_units, leftover_modules
+
+    zero = zero or ZeroConfig()
+    seen: dict[int, int] = {}
+    for p in module.parameters():
+        # meta tensors share no data pointer; the Parameter object identifies a shared weight
+        seen.setdefault(id(p), p.numel())
+    numel = sum(seen.values())
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
+    blocks = find_blocks(module, zero.wrap_modules)
+    units = group_units(blocks, zero.unit_size)
+    for run in leftover_modules(module, blocks):
+        units.extend(group_units(run, zero.unit_size))
+    order = {id(m): i for i, m in enumerate(module.modules())}
+    units.sort(key=lambda u: order[id(u.modules[0])])
+    root = numel - sum(u.numel for u in units)
+    return ModelSize(numel=numel, largest_layer=max(1, largest), units=tuple(u.numel for u in units),
+                     root=max(0, root), description=description or type(module).__name__)
+
+
+def gpt_size(cfg: Any, zero: Optional[ZeroConfig] = None) -> ModelSize:
+    """:func:`model_size` of :class:`lightning_ampzero.models.gpt.GPT` built on the meta device."""
+    from lightning_ampzero.models.gpt import GPT, GPTConfig
+
+    cfg = cfg if isinstance(cfg, GPTConfig) else GPTConfig.from_dict(cfg)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    desc = f"GPT(n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, n_head={cfg.n_head}, vocab={cfg.vocab_size})"
+    return model_size(model, zero, desc)
+
+
+# ---------------------------------------------------------------------------------------
+# Model states: our FSDP2 accounting, and DeepSpeed's estimator
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Model-state memory of one configuration (bytes).
+
+    ``gpu_*`` are per GPU (rank); ``cpu`` and ``nvme`` per node. ``gpu_working`` is the transient
+    part: gathered parameters and unsharded gradients of the units in use (stages 2-3), or DDP's
+    gradient bucket copies (stage 0). ``deepspeed_gpu`` / ``deepspeed_cpu`` are DeepSpeed's
+    estimator figures for the same stage and offload, ``None`` where it has none (stages 0-1, NVMe).
+    """
+
+    stage: int
+    offload: str
+    gpu_params: int
+    gpu_grads: int
+    gpu_optimizer: int
+    gpu_working: int
+    cpu: int
+    nvme: int
+    deepspeed_gpu: Optional[int] = None
+    deepspeed_cpu: Optional[int] = None
+
+    @property
+    def gpu(self) -> int:
+        return self.gpu_params + self.gpu_grads + self.gpu_optimizer + self.gpu_working
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "gpu": self.gpu}
+
+
+def _check_options(stage: int, offload: str) -> None:
+    if stage not in STAGES or isinstance(stage, bool):
+        raise ValueError(f"stage={stage!r} is not a ZeRO stage. Allowed values: 0, 1, 2, 3.")
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload={offload!r} is not valid. Allowed values: {', '.join(OFFLOADS)}.")
+    if offload != "none" and stage == 0:
+        raise ValueError(f"offload={offload!r} needs a ZeRO stage >= 1 (stage 0 is plain DDP): the offloaded"
+                         " optimizer works on a shard.")
+    if offload.startswith("params") and stage != 3:
+        raise ValueError(f"offload={offload!r} needs stage 3: only stage 3 shards the parameters it would offload.")
+
+
+def valid_combinations(stages: Iterable[int] = STAGES, offloads: Iterable[str] = OFFLOADS) -> list[tuple[int, str]]:
+    out = []
+    for offload in offloads:
+        for stage in stages:
+            try:
+                _check_options(stage, offload)
+            except ValueError:
+                continue
+            out.append((stage, offload))
+    return out
+
+
+def _stage3_gathered(size: ModelSize, zero: ZeroConfig) -> int:
+    """Elements of parameters a stage-3 rank holds gathered at its peak.
+
+    The unit in use plus the units prefetched after it (FSDP2 prefetches at least one; with
+    ``prefetch_bucket_size`` as many following units as fit in it, see zero/apply.py), plus the
+    units kept gathered below ``param_persistence_threshold`` and the root unit's own parameters.
+    """
+    budget = int(zero.prefetch_bucket_size)
+    if not size.units:
+        unit = size.largest_layer
+        ahead = max(unit, (budget // unit) * unit)
+        return min(size.numel, unit + ahead)
+    threshold = zero.param_persistence_threshold
+    persistent = sum(u for u in size.units if u < threshold) + size.root
+    sharded = [u if u >= threshold else 0 for u in size.units]
+    peak = 0
+    for order in (sharded, sharded[::-1]):  # forward prefetch, then backward prefetch
+        for i, u in enumerate(order):
+            ahead, used = 0, 0
+            for nxt in order[i + 1:]:  # as zero/apply.py's _prefetch_targets: at least one unit
+                if ahead and used + nxt > budget:
+                    break
+                ahead, used = ahead + 1, used + nxt
+            peak = max(peak, u + used)
+    return min(size.numel, persistent + peak)
+
+
+def estimate(
+    size: ModelSize,
+    stage: int,
+    offload: str = "none",
+    *,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    precision: str = "32-true",
+    optimizer: str = "adam",
+    zero: Optional[ZeroConfig] = None,
+    zero_init: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> Estimate:
+    """Model-state bytes per GPU and per node for one stage and offload option.
+
+    Ours (``gpu_*``, ``cpu``, ``nvme``), per rank with Ψ parameters and N ranks, from
+    :func:`lightning_ampzero.memory.zero_formula` (p, g = bytes of parameters and gradients,
+    K = optimizer states + master copy):
+
+    * stage 0 adds DDP's gradient buckets (another gΨ: DDP copies gradients into flat buckets);
+      stage 2 adds one unit's unsharded gradient (g·U, before its reduce-scatter); stage 3 adds
+      the gathered working set (p·(units in use + prefetched + persistent)) and g·U.
+    * ``optimizer=cpu``: the optimizer column leaves the GPU; the host holds per rank the states,
+      an fp32 master copy and the fp32 gradient shard the CPU optimizer steps with
+      ((states + 2·master)·Ψ/N: 16Ψ/N for Adam, DeepSpeed's 16).
+    * ``params+optimizer=cpu`` (stage 3): the GPU keeps only the working set; the host also
+      holds the parameter shard (p·Ψ/N, unless it is the fp32 master itself).
+    * ``nvme``: what ``cpu`` puts in host memory goes to NVMe, except the gradient shard.
+    * ``zero_init=False``: the model is built whole on the CPU of every process before sharding
+      (built in ``__init__`` rather than ``configure_model()``, where Lightning builds it on the
+      device, and our stage 3 on the meta device): an fp32 copy (4Ψ) per process at start-up.
+      The CPU figure is the larger of that and the steady state, times GPUs per node.
+
+    ``additional_buffer_factor`` only affects DeepSpeed's figures (ours are not padded).
+    """
+    _check_options(stage, offload)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not valid. Allowed values: {', '.join(PRECISIONS)}.")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not valid. Allowed values: {', '.join(OPTIMIZERS)}.")
+    for name, value in (("gpus_per_node", gpus_per_node), ("nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}.")
+    zero = zero or ZeroConfig()
+    p, g, m, s1 = PRECISIONS[precision]
+    s = OPTIMIZERS[optimizer] * s1
+    psi, n_ranks = size.numel, gpus_per_node * nodes
+    base = zero_formula(psi, n_ranks, stage, param_bytes=p, grad_bytes=g, state_bytes=s, master_bytes=m)
+    unit = size.largest_unit
+
+    working = 0
+    if stage == 0:
+        working = g * psi
+    elif stage == 2:
+        working = g * unit
+    elif stage == 3:
+        working = p * _stage3_gathered(size, zero) + g * unit
+
+    shard = psi // n_ranks
+    gpu_params, gpu_grads, gpu_opt = base.params, base.grads, base.optimizer
+    host_opt = (s + 2 * m) * shard  # states + master + fp32 gradient shard for the CPU step
+    host_params = p * shard if p != m else 0  # an fp32 shard is the master already
+    cpu_rank = nvme_rank = 0
+    kind, _, device = offload.partition("=")
+    if kind == "optimizer":
+        gpu_opt = 0
+        if device == "cpu":
+            cpu_rank = host_opt
+        else:
+            cpu_rank, nvme_rank = m * shard, host_opt - m * shard
+    elif kind == "params+optimizer":
+        gpu_params = gpu_grads = gpu_opt = 0
+        if device == "cpu":
+            cpu_rank = host_opt + host_params
+        else:
+            cpu_rank, nvme_rank = m * shard, host_opt - m * shard + p * shard
+    # A model built outside configure_model() (no zero_init) exists whole, in fp32, on the CPU of
+    # every process before it is moved and sharded; stage 3 refuses such a model (materialize.py).
+    init_rank = 0 if zero_init or stage == 3 else 4 * psi
+    cpu = gpus_per_node * max(cpu_rank, init_rank)
+    nvme = gpus_per_node * nvme_rank
+
+    ds = deepspeed_estimate(psi, size.largest_layer, stage, offload, gpus_per_node=gpus_per_node, nodes=nodes,
+                            zero_init=zero_init, additional_buffer_factor=additional_buffer_factor)
+    return Estimate(stage, offload, gpu_params, gpu_grads, gpu_opt, working, cpu, nvme,
+                    deepspeed_gpu=ds[1] if ds else None, deepspeed_cpu=ds[0] if ds else None)
+
+
+def deepspeed_estimate(
+    total_params: int,
+    largest_layer_params: int,
+    stage: int,
+    offload: str = "none",
+    *,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    zero_init: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> Optional[tuple[int, int]]:
+    """DeepSpeed's estimator: ``(cpu bytes per node, gpu bytes per GPU)``, or ``None`` where it has none.
+
+    The formulas of ``deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs``
+    and ``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs`` (fp16 params,
+    Adam), with Ψ total parameters, L the largest layer, N GPUs in all, n GPUs per node:
+
+    ======================  =================  ===========================================
+    stage 2                 GPU                CPU
+    ======================  =================  ===========================================
+    none                    2Ψ + 18Ψ/N         4Ψ·n·f
+    optimizer=cpu           2Ψ                 Ψ·max(4N, 16)·f
+    ======================  =================  ===========================================
+
+    ======================  =================  ==========================  ==========================
+    stage 3                 GPU                CPU, zero_init              CPU, no zero_init
+    ======================  =================  ==========================  ==========================
+    none                    4L + 18Ψ/N         4L·n·f                      4Ψ·n·f
+    optimizer=cpu           4L + 2Ψ/N          16Ψ/nodes·f                 Ψ·max(4n, 16/nodes)·f
+    params+optimizer=cpu    4L                 18Ψ/nodes·f                 Ψ·max(4n, 18/nodes)·f
+    ======================  =================  ==========================  ==========================
+
+    f is ``additional_buffer_factor`` (1.5). DeepSpeed has no estimator for stages 0 and 1 or for
+    NVMe offload. Its documentation still shows the older stage-2 GPU figure 4Ψ + 16Ψ/N.
+    """
+    _check_options(stage, offload)
+    n_gpus = gpus_per_node * nodes
+    psi, big, f = total_params, largest_layer_params, additional_buffer_factor
+    if stage == 2 and offload in ("none", "optimizer=cpu"):
+        if offload == "optimizer=cpu":
+            return int(psi * max(4 * n_gpus, 16) * f), int(2 * psi)
+        return int(psi * 4 * gpus_per_node * f), int(2 * psi + int(18 * psi / n_gpus))
+    if stage == 3 and offload in ("none", "optimizer=cpu", "params+optimizer=cpu"):
+        gpus_factor = 1 / nodes
+        largest = 4 * big
+        if offload == "params+optimizer=cpu":
+            gpu = largest
+            cpu = psi * 18 * gpus_factor * f if zero_init else psi * max(4 * gpus_per_node, 18 * gpus_factor) * f
+        elif offload == "optimizer=cpu":
+            gpu = largest + int(2 * psi / n_gpus)
+            cpu = psi * 16 * gpus_factor * f if zero_init else psi * max(4 * gpus_per_node, 16 * gpus_factor) * f
+        else:
+            gpu = largest + int(18 * psi / n_gpus)
+            cpu = big * 4 * gpus_per_node * f if zero_init else psi * 4 * gpus_per_node * f
+        return int(cpu), int(gpu)
+    return None
+
+
+def estimate_all(size: ModelSize, *, stages: Iterable[int] = STAGES, offloads: Iterable[str] = OFFLOADS,
+                 **kwargs: Any) -> list[Estimate]:
+    """:func:`estimate` for every valid (stage, offload) combination, offloads outermost."""
+    return [estimate(size, stage, offload, **kwargs) for stage, offload in valid_combinations(stages, offloads)]
+
+
+# ---------------------------------------------------------------------------------------
+# Activations: traced on the meta device
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActivationTrace:
+    """Bytes autograd saved for backward in one forward (parameters excluded, storages counted once).
+
+    Attributes:
+        saved: everything saved (no activation checkpointing).
+        outside: saved outside the checkpointed blocks (embeddings, final norm, head, loss).
+        block_inputs: the blocks' inputs, which full checkpointing keeps.
+        blocks: per block, what its forward saved (recomputed, one block at a time, in backward).
+    """
+
+    saved: int
+    outside: int
+    block_inputs: int
+    blocks: tuple[int, ...]
+
+    def bytes(self, checkpointing: str = "none") -> int:
+        """Peak saved-activation bytes per micro-batch under ``checkpointing`` (``none`` or ``full``).
+
+        ``full`` keeps only each block's input and what lies outside the blocks, and rebuilds one
+        block's saved tensors at a time in backward: outside + inputs + the largest block.
+        """
+        if checkpointing not in CHECKPOINTING:
+            raise ValueError(f"activation checkpointing {checkpointing!r} is not valid. Allowed values:"
+                             f" {', '.join(CHECKPOINTING)}.")
+        if checkpointing == "none":
+            return self.saved
+        return self.outside + self.block_inputs + max(self.blocks, default=0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), **{f"checkpointing={c}": self.bytes(c) for c in CHECKPOINTING}}
+
+
+class _FusedAttention(torch.overrides.TorchFunctionMode):
+    """Route ``F.scaled_dot_product_attention`` to a fused kernel's autograd formula.
+
+    On the meta device SDPA falls back to the math path, which saves the (T x T) attention
+    matrix; on GPUs (flash / memory-efficient) and CPUs (flash for CPU) the fused kernels save
+    only q, k, v, the output and the log-sum-exp. Checked: with this the meta trace of the
+    GPT equals the bytes a real CPU forward saves.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and len(args) == 3 and set(kwargs) <= {
+            "attn_mask", "dropout_p", "is_causal", "scale"} and kwargs.get("attn_mask") is None:
+            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                *args, dropout_p=float(kwargs.get("dropout_p", 0.0)), is_causal=bool(kwargs.get("is_causal", False)),
+                scale=kwargs.get("scale"))
+            return out[0]
+        return func(*args, **kwargs)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage()._cdata  # the StorageImpl: unique per storage, meta included
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().nbytes()
+
+
+def trace_activations(
+    model: nn.Module,
+    run: Callable[[nn.Module], torch.Tensor],
+    blocks: Optional[Sequence[nn.Module]] = None,
+    *,
+    backward: bool = True,
+    fused_attention: bool = True,
+) -> ActivationTrace:
+    """Trace ``run(model)`` (a forward returning a scalar loss) and count what autograd saves.
+
+    Meant for a model on the meta device (shapes and dtypes, no data, no compute), but any
+    device works. ``blocks`` are the modules activation checkpointing would wrap (default: the
+    repeated blocks, as the ZeRO wrap policy finds them). The backward is run too (on meta it is
+    free), which checks that the traced graph is the one training differentiates.
+    """
+    if blocks is None:
+        from lightning_ampzero.zero.units import find_blocks
+
+        blocks = [m for _, m in find_blocks(model, ())]
+    param_keys = {_storage_key(p) for p in model.parameters()} | {_storage_key(b) for b in model.buffers()}
+    sizes: dict[int, int] = {}
+    region_of: dict[int, set[Optional[int]]] = {}
+    inputs: dict[int, int] = {}
+    inputs_of: list[set[int]] = [set() for _ in blocks]
+    held: list[torch.Tensor] = []  # keep storages alive so their keys are never reused
+    current: list[Optional[int]] = [None]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in param_keys:
+            sizes[key] = _storage_bytes(t)
+            region_of.setdefault(key, set()).add(current[-1])
+            held.append(t)
+        return t
+
+    def pre(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple) -> None:
+            current.append(i)
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    key = _storage_key(a)
+                    inputs[key] = _storage_bytes(a)
+                    inputs_of[i].add(key)
+                    held.append(a)
+        return hook
+
+    def post(module: nn.Module, args: tuple, out: Any) -> None:
+        current.pop()
+
+    handles = []
+    for i, b in enumerate(blocks):
+        handles.append(b.register_forward_pre_hook(pre(i)))
+        handles.append(b.register_forward_hook(post))
+    mode = _FusedAttention() if fused_attention else None
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if mode is not None:
+                with mode:
+                    loss = run(model)
+            else:
+                loss = run(model)
+        if backward:
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    outside = {k for k, regions in region_of.items() if None in regions}
+    kept = outside | (set(inputs) - param_keys)
+    # Recomputing block i rebuilds everything it saved except its input, which it is handed
+    # (even a tensor also kept elsewhere, e.g. its output saved by the next block, is rebuilt).
+    per_block = tuple(
+        sum(sizes[k] for k, regions in region_of.items() if i in regions and k not in inputs_of[i])
+        for i in range(len(blocks))
+    )
+    return ActivationTrace(
+        saved=sum(sizes.values()),
+        outside=sum(sizes[k] for k in outside),
+        block_inputs=sum(inputs[k] for k in kept - outside),
+        blocks=per_block,
+    )
+
+
+_DTYPES = {"32-true": torch.float32, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16,
+           "16-true": torch.float16, "bf16-true": torch.bfloat16}
+
+
+def gpt_activations(cfg: Any, micro_batch: int, seq_len: Optional[int] = None,
+                    precision: str = "32-true") -> ActivationTrace:
+    """:func:`trace_activations` of the GPT's training step (``GPTModule._loss``) on the meta device.
+
+    Low precisions trace the model cast to the 16-bit dtype: that is exact for "-true"; under
+    autocast ("-mixed") norms and softmax keep fp32 inputs, so the real figure is a little higher.
+    """
+    import torch.nn.functional as F
+
+    from lightning_ampzero.models.gpt import GPT, GPTConfig
+
+    cfg = cfg if isinstance(cfg, GPTConfig) else GPTConfig.from_dict(cfg)
+    seq_len = cfg.block_size if seq_len is None else seq_len
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ValueError(f"micro_batch must be a whole number >= 1, got {micro_batch!r}.")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= cfg.block_size:
+        raise ValueError(f"seq_len must be a whole number between 1 and the model's block_size {cfg.block_size},"
+                         f" got {seq_len!r}.")
+    if precision not in _DTYPES:
+        raise ValueError(f"precision={precision!r} is not valid. Allowed values: {', '.join(_DTYPES)}.")
+    with torch.device("meta"):
+        model = GPT(cfg).to(_DTYPES[precision])
+    idx = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+    targets = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+
+    def run(m: nn.Module) -> torch.Tensor:
+        logits = m(idx)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+    return trace_activations(model, run, list(model.blocks))
+
+
+# ---------------------------------------------------------------------------------------
+# The planner
+# ---------------------------------------------------------------------------------------
+
+PLAN_ORDER = "fewest offloads (none < optimizer < params+optimizer; cpu before nvme), then lowest stage, then least recompute"
+_OFFLOAD_RANK = {o: i for i, o in enumerate(OFFLOADS)}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    stage: int
+    offload: str
+    checkpointing: str
+    model_states: Estimate
+    activations: Optional[int]
+    gpu: int
+    cpu: int
+    nvme: int
+    fits: bool
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.stage}, offload {self.offload}, checkpointing {self.checkpointing}"
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "model_states"}
+        d["model_states"] = self.model_states.as_dict()
+        d["reasons"] = list(self.reasons)
+        return d
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Candidates in preference order; ``choice`` is the first that fits (``None`` if none does)."""
+
+    candidates: tuple[Candidate, ...]
+    gpu_budget: int
+    cpu_budget: int
+    nvme_budget: Optional[int]
+    activations_known: bool
+
+    @property
+    def choice(self) -> Optional[Candidate]:
+        return next((c for c in self.candidates if c.fits), None)
+
+    @property
+    def rejected(self) -> list[Candidate]:
+        """The faster candidates that did not fit (the ones before the choice)."""
+        out = []
+        for c in self.candidates:
+            if c.fits:
+                break
+            out.append(c)
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        choice = self.choice
+        return {"choice": choice.as_dict() if choice else None, "gpu_budget": self.gpu_budget,
+                "cpu_budget": self.cpu_budget, "nvme_budget": self.nvme_budget,
+                "activations_known": self.activations_known, "order": PLAN_ORDER,
+                "candidates": [c.as_dict() for c in self.candidates]}
+
+
+def plan(
+    size: ModelSize,
+    gpu_memory: int,
+    cpu_memory: int,
+    *,
+    nvme_memory: Optional[int] = None,
+    activations: Optional[ActivationTrace] = None,
+    stages: Iterable[int] = STAGES,
+    offloads: Iterable[str] = OFFLOADS,
+    checkpointing: Iterable[str] = CHECKPOINTING,
+    gpu_headroom: float = 0.0,
+    cpu_headroom: float = 0.0,
+    **estimate_kwargs: Any,
+) -> Plan:
+    """The fastest configuration whose memory fits, with every faster one and why it was rejected.
+
+    Budgets are bytes: ``gpu_memory`` per GPU, ``cpu_memory`` and ``nvme_memory`` per node
+    (``None``: no NVMe, NVMe offload is ruled out). ``gpu_headroom`` / ``cpu_headroom`` are the
+    fractions kept free (allocator fragmentation, communication buffers, the CUDA context).
+    The GPU need is model states plus ``activations`` for the checkpointing setting; without an
+    activation trace activations count as 0 and checkpointing choices collapse to ``none``.
+    """
+    for name, value in (("gpu_memory", gpu_memory), ("cpu_memory", cpu_memory)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive number of bytes, got {value!r}.")
+    for name, value in (("gpu_headroom", gpu_headroom), ("cpu_headroom", cpu_headroom)):
+        if not 0 <= value < 1:
+            raise ValueError(f"{name} is the fraction of memory kept free, in [0, 1); got {value!r}.")
+    stages, offloads, checkpointing = tuple(stages), tuple(offloads), tuple(checkpointing)
+    for c in checkpointing:
+        if c not in CHECKPOINTING:
+            raise ValueError(f"activation checkpointing {c!r} is not valid. Allowed values: {', '.join(CHECKPOINTING)}.")
+    if activations is None:
+        checkpointing = ("none",)
+    gpu_budget = int(gpu_memory * (1 - gpu_headroom))
+    cpu_budget = int(cpu_memory * (1 - cpu_headroom))
+    combos = sorted(valid_combinations(stages, offloads), key=lambda so: (_OFFLOAD_RANK[so[1]], so[0]))
+    if not combos:
+        raise ValueError(f"no valid (stage, offload) combination among stages {stages} and offloads {offloads}:"
+                         " offload needs stage >= 1, parameter offload stage 3.")
+    candidates = []
+    for stage, offload in combos:
+        states = estimate(size, stage, offload, **estimate_kwargs)
+        for ckpt in checkpointing:
+            act = activations.bytes(ckpt) if activations is not None else None
+            gpu = states.gpu + (act or 0)
+            reasons = []
+            if gpu > gpu_budget:
+                reasons.append(f"GPU needs {format_bytes(gpu)} > {format_bytes(gpu_budget)}")
+            if states.cpu > cpu_budget:
+                reasons.append(f"CPU needs {format_bytes(states.cpu)} per node > {format_bytes(cpu_budget)}")
+            if states.nvme:
+                if nvme_memory is None:
+                    reasons.append("NVMe offload needs --nvme-memory")
+                elif states.nvme > nvme_memory:
+                    reasons.append(f"NVMe needs {format_bytes(states.nvme)} per node > {format_bytes(nvme_memory)}")
+            candidates.append(Candidate(stage, offload, ckpt, states, act, gpu, states.cpu, states.nvme,
+                                        not reasons, tuple(reasons)))
+    return Plan(tuple(candidates), gpu_budget, cpu_budget, nvme_memory, activations is not None)
+
+
+def with_zero(zero: Optional[ZeroConfig], stage: int) -> ZeroConfig:
+    """``zero`` (or the defaults) at ``stage``: the config a planned candidate runs with."""
+    return replace(zero or ZeroConfig(), stage=stage)

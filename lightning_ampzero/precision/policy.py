@@ -1,0 +1,164 @@
+"""Which dtype each part of a step runs in, for each precision: one table for the plugin, FSDP2 and DDP.
+
+See docs/precision.md for the user-facing version of this table.
+
+[Note: master weights]
+Every precision keeps the parameters the optimizer sees in fp32 ("master weights"), held by the
+model itself, so checkpoints, optimizer state and ``named_parameters()`` are the same objects in
+every precision and at every stage. "-true" precisions make a low-precision *compute copy* per
+forward: under stages 1-3 that is FSDP2's ``MixedPrecisionPolicy(param_dtype=low)`` (the sharded
+fp32 DTensor is the master; the all-gather casts the shard and gathers it in the low dtype; the
+reduce-scattered gradient is cast back to fp32 into the sharded ``.grad``), under stage 0 the
+same casts done by ``lightning_ampzero.precision.ddp.cast_parameters_in_forward``. So the
+optimizer updates fp32 shards (stages 1-2: ZeRO's "fp32 master weights kept sharded by the
+optimizer"), gradients are computed in the low dtype and reduced in ``reduce_dtype``, as in
+DeepSpeed's fp16/bf16 modes, with no second copy of the weights kept between steps.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lightning_ampzero.config import PrecisionConfig
+
+LOW_DTYPES: dict[str, Optional[torch.dtype]] = {
+    "32-true": None,
+    "16-mixed": torch.float16,
+    "bf16-mixed": torch.bfloat16,
+    "16-true": torch.float16,
+    "bf16-true": torch.bfloat16,
+}
+COMM_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class DtypePlan:
+    """The dtypes of one precision + config.
+
+    Attributes:
+        precision: the Lightning precision string.
+        low_dtype: float16 / bfloat16, or None for "32-true".
+        autocast: "-mixed": forward runs under ``torch.autocast(low_dtype)``, parameters stay fp32.
+        low_params: "-true": parameters are cast to ``low_dtype`` for forward and backward.
+        reduce_dtype: gradient reduction of every parameter not in a safe module.
+        safe_reduce_dtype: "-mixed" with no ``communication_data_type``: the reduction dtype of
+            the ``lower_precision_safe_modules`` (None: no module is treated apart).
+        safe_modules: class names of those modules.
+    """
+
+    precision: str
+    low_dtype: Optional[torch.dtype]
+    autocast: bool
+    low_params: bool
+    reduce_dtype: torch.dtype
+    safe_reduce_dtype: Optional[torch.dtype]
+    safe_modules: tuple[str, ...]
+
+    @property
+    def fp16(self) -> bool:
+        return self.low_dtype == torch.float16
+
+
+def dtype_plan(precision: str, config: PrecisionConfig) -> DtypePlan:
+    low = LOW_DTYPES[precision]
+    autocast = precision.endswith("-mixed")
+    low_params = precision in ("16-true", "bf16-true")
+    comm = COMM_DTYPES[config.communication_data_type] if config.communication_data_type else None
+    if comm is not None:
+        reduce_dtype, safe = comm, None
+    elif low_params:
+        reduce_dtype, safe = low, None  # type: ignore[assignment]
+    else:
+        reduce_dtype, safe = torch.float32, (low if autocast and config.lower_precision_safe_modules else None)
+    return DtypePlan(
+        precision=precision,
+        low_dtype=low,
+        autocast=autocast,
+        low_params=low_params,
+        reduce_dtype=reduce_dtype,  # type: ignore[arg-type]
+        safe_reduce_dtype=safe,
+        safe_modules=tuple(config.lower_precision_safe_modules) if safe is not None else (),
+    )
+
+
+def safe_modules(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """Modules whose class name (exactly, not a subclass) is in ``class_names``, that own parameters.
+
+    Exact names on purpose: some Linear subclasses are used by their parent through their
+    parameters, never called (``nn.MultiheadAttention.out_proj``), and a module that is never
+    called would never have its FSDP2 unit gathered. A module whose parameters are shared with
+    a module outside it (tied weights) is left to its block as well.
+    """
+    if not class_names:
+        return []
+    chosen = [(n, m) for n, m in model.named_modules() if type(m).__name__ in class_names and m is not model
+              and any(True for _ in m.parameters())]
+    inside = {id(sub) for _, m in chosen for sub in m.modules()}
+    outside_params = {id(p) for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
+    return [(n, m) for n, m in chosen if not any(id(p) in outside_params for p in m.parameters())]
+
+
+def fsdp_policies(plan: DtypePlan, model: nn.Module, stage: int) -> tuple[object, dict[nn.Module, object]]:
+    """FSDP2 policies: the one of every unit, and those of modules that must be units of their own.
+
+    "-true": every unit gathers parameters in the low dtype and reduces in ``reduce_dtype``.
+    "-mixed": parameters stay fp32 (autocast casts per op); the safe modules become units of
+    their own that reduce in the low dtype and, under stage 3, all-gather in it (autocast would
+    cast their weights to it anyway, so the forward is unchanged; the gather moves half the bytes).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param_dtype = plan.low_dtype if plan.low_params else None
+    reduce_dtype = None if plan.reduce_dtype == (param_dtype or torch.float32) else plan.reduce_dtype
+    root = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if plan.safe_reduce_dtype is None:
+        return root, {}
+    safe = MixedPrecisionPolicy(
+        param_dtype=plan.low_dtype if stage == 3 else None,
+        reduce_dtype=plan.safe_reduce_dtype,
+        # Inputs of a safe module (a Linear) are cast to its gathered dtype: what autocast does
+        # to them anyway, and no dtype mismatch if it is called outside autocast.
+        cast_forward_inputs=True,
+    )
+    return root, {m: safe for _, m in safe_modules(model, plan.safe_modules)}
+
+
+def ddp_reduce_dtypes(plan: DtypePlan, model: nn.Module) -> dict[int, torch.dtype]:
+    """Stage 0: ``id(parameter) -> reduction dtype`` for every parameter not reduced in fp32."""
+    out: dict[int, torch.dtype] = {}
+    if plan.reduce_dtype != torch.float32:
+        out.update({id(p): plan.reduce_dtype for p in model.parameters()})
+    if plan.safe_reduce_dtype is not None:
+        for _, m in safe_modules(model, plan.safe_modules):
+            out.update({id(p): plan.safe_reduce_dtype for p in m.parameters()})
+    return out
+
+
+def check_device_support(precision: str, device_type: str) -> None:
+    """Refuse a low dtype the device cannot compute in, before any step runs."""
+    low = LOW_DTYPES[precision]
+    if low is None or device_type == "meta":
+        return
+    name = "float16" if low == torch.float16 else "bfloat16"
+    if precision.endswith("-mixed"):
+        if not torch.amp.is_autocast_available(device_type):
+            raise ValueError(f"precision={precision!r} needs torch.autocast, which has no {device_type!r} backend.")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            enabled = torch.autocast(device_type, dtype=low)._enabled
+        if not enabled:
+            why = f" (torch: {caught[0].message})" if caught else ""
+            raise ValueError(
+                f"precision={precision!r} needs torch.autocast with {name} on {device_type!r}, which this torch"
+                f" build does not support{why}. Choose another precision ('bf16-mixed', '32-true') or device."
+            )
+    if device_type == "cuda" and low == torch.bfloat16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"precision={precision!r} needs bfloat16, which this GPU does not support (compute capability"
+            " 8.0+). Use precision='16-mixed' (float16 with loss scaling) instead."
+        )

@@ -1,0 +1,105 @@
+"""Issue 7, acceptance 3: the consolidated file loads into the unwrapped model and gives the same
+outputs as the trained sharded model; consolidation memory is bounded by the largest tensor
+(measured: peak RSS increase of the CLI process, reported by the CLI)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _scripts import ROOT, run_json, script_env
+from lightning_ampzero.checkpoint.consolidate import load_consolidated
+from lightning_ampzero.models.gpt import GPTConfig, GPTModule
+
+MODEL = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_ampzero.cli.consolidate", *args], env=script_env(),
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def _outputs(state: dict) -> torch.Tensor:
+    module = GPTModule(model=MODEL)
+    module.configure_model()
+    module.load_state_dict({k: v.float() for k, v in state.items()})
+    x = torch.arange(2 * 32).reshape(2, 32) % 256
+    with torch.no_grad():
+        return module(x).float()[:, -1, :8]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("consolidate")
+    out = run_json("reshard.py", tmp / "save.json", "--phase", "save", "--stage", "3", "--devices", "2",
+                   "--ckpt-dir", str(tmp / "ck"), "--export", str(tmp))
+    return tmp, out
+
+
+def test_consolidated_checkpoint_reproduces_sharded_outputs(trained):
+    tmp, out = trained
+    final = next(c for c in out["ckpts"] if "epoch=1" in c)
+    proc = _cli(final, str(tmp / "model.safetensors"))
+    assert proc.returncode == 0, proc.stderr
+    state = load_consolidated(tmp / "model.safetensors")
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert torch.allclose(_outputs(state), torch.tensor(out["outputs"]), rtol=1e-5, atol=1e-5)
+
+
+def test_live_export_16bit_and_sharded_files(trained):
+    tmp, out = trained
+    bf16 = load_consolidated(tmp / "live_bf16.safetensors")
+    assert {v.dtype for v in bf16.values()} == {torch.bfloat16}
+    fp32 = load_consolidated(tmp / "live_fp32")
+    assert len(list((tmp / "live_fp32").glob("model-*.safetensors"))) > 1  # split by --max-shard-size
+    ref = torch.tensor(out["outputs"])
+    assert torch.allclose(_outputs(fp32), ref, rtol=1e-5, atol=1e-5)
+    # bf16 weights: same outputs up to bf16 rounding, and clearly not identical (the cast happened)
+    got = _outputs(bf16)
+    assert torch.allclose(got, ref, atol=0.05) and not torch.equal(got, ref)
+
+
+def test_cli_strip_prefix_dtype_and_errors(trained, tmp_path):
+    _, out = trained
+    final = next(c for c in out["ckpts"] if "epoch=1" in c)
+    proc = _cli(final, str(tmp_path / "inner.pt"), "--format", "pt", "--dtype", "fp16", "--strip-prefix", "model.")
+    assert proc.returncode == 0, proc.stderr
+    state = load_consolidated(tmp_path / "inner.pt")
+    assert "wte.weight" in state and state["wte.weight"].dtype == torch.float16
+    bad = _cli(str(tmp_path / "missing.ckpt"), str(tmp_path / "x.safetensors"))
+    assert bad.returncode == 2 and "not a sharded checkpoint" in bad.stderr
+
+
+def _consolidate_synthetic(tmp_path, n_tensors: int) -> tuple[int, int]:
+    ckpt = tmp_path / f"big{n_tensors}.ckpt"
+    script = (
+        "import torch, torch.distributed.checkpoint as dcp\n"
+        f"sd = {{f'layer{{i}}.weight': torch.full((2048, 1024), float(i)) for i in range({n_tensors})}}\n"
+        f"dcp.save({{'state_dict': sd}}, checkpoint_id={str(ckpt)!r}, no_dist=True)\n"
+        f"torch.save({{}}, {str(ckpt / 'meta.pt')!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", script], env=script_env(), check=True, timeout=300, capture_output=True)
+    out = tmp_path / f"big{n_tensors}.safetensors"
+    proc = _cli(str(ckpt), str(out))
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(r"bytes=(\d+) peak_rss_increase=(\d+)", proc.stdout)
+    state = load_consolidated(out)
+    assert len(state) == n_tensors and float(state[f"layer{n_tensors - 1}.weight"][0, 0]) == n_tensors - 1
+    return int(m.group(1)), int(m.group(2))
+
+
+def test_consolidation_memory_is_bounded_by_the_largest_tensor(tmp_path):
+    """Checkpoints of 16 and 48 tensors of 8 MiB (128 vs 384 MiB): consolidation's peak RSS
+    increase (measured by the CLI) does not grow with the model and stays far below it."""
+    tensor = 2048 * 1024 * 4
+    small_written, small_peak = _consolidate_synthetic(tmp_path, 16)
+    big_written, big_peak = _consolidate_synthetic(tmp_path, 48)
+    print(f"consolidation peak RSS increase: {small_peak / 2**20:.1f} MiB for {small_written / 2**20:.0f} MiB,"
+          f" {big_peak / 2**20:.1f} MiB for {big_written / 2**20:.0f} MiB (tensors of {tensor / 2**20:.0f} MiB)")
+    assert big_written >= 48 * tensor
+    assert big_peak - small_peak < tensor, "peak memory grew with the number of tensors"
+    assert big_peak < big_written / 3

@@ -1,0 +1,404 @@
+"""DeepSpeed JSON import: conversion, errors, warnings, Trainer/optimizer wiring, Hydra output.
+
+The five configs in examples/deepspeed_migration/ds_configs are the shapes of the public
+tutorials (ZeRO-1 + WarmupDecayLR + fp16; ZeRO-R activation checkpointing; ZeRO-3 CPU offload;
+ZeRO-3 Infinity with nvme, aio and "auto"; fp16 auto_cast with an Adam section). The last test
+trains each of them on 2 CPU processes (in a subprocess: Lightning's launcher must not re-run
+pytest).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from lightning_ampzero.cli.config import main as config_main
+from lightning_ampzero.config import LossScalerConfig, ZeroConfig
+from lightning_ampzero.deepspeed import (
+    DeepSpeedConfigError,
+    DeepSpeedConfigWarning,
+    SchedulerConfig,
+    WarmupDecayLR,
+    build_scheduler,
+    convert_deepspeed_config,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "examples" / "deepspeed_migration" / "ds_configs"
+EXAMPLE = REPO / "examples" / "deepspeed_migration" / "train_with_ds_config.py"
+
+
+def _convert(data, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeepSpeedConfigWarning)
+        return convert_deepspeed_config(data, **kw)
+
+
+# ---------------------------------------------------------------------------------------
+# The five tutorial configs
+# ---------------------------------------------------------------------------------------
+
+
+def test_zero1_fp16_warmupdecay():
+    r = _convert(CONFIGS / "zero1_fp16_warmupdecay.json")
+    assert r.config.zero.stage == 1
+    assert r.config.zero.reduce_bucket_size == r.config.zero.allgather_bucket_size == 5e7
+    assert r.config.precision.precision == "16-mixed"
+    assert r.config.precision.loss_scaler == LossScalerConfig(initial_scale_power=15, loss_scale_window=500)
+    assert r.trainer == {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm", "accumulate_grad_batches": 1}
+    assert (r.micro_batch_size, r.train_batch_size) == (4, 8)
+    assert r.optimizer.type == "AdamW"  # DeepSpeed's "Adam" with adam_w_mode (default true)
+    assert r.optimizer.betas == (0.8, 0.999) and r.optimizer.weight_decay == 3e-7
+    assert r.scheduler == SchedulerConfig(type="WarmupDecayLR", warmup_min_lr=0, warmup_max_lr=0.002,
+                                          warmup_num_steps=5, total_num_steps=100)
+
+
+def test_zero_r_activation_checkpointing_is_listed_as_no_effect():
+    r = _convert(CONFIGS / "zero_r_activation_checkpointing.json")
+    assert r.config.zero.stage == 2 and r.config.precision.precision is None
+    assert "activation_checkpointing" in dict(r.no_effect)
+
+
+def test_zero3_cpu_offload():
+    r = _convert(CONFIGS / "zero3_cpu_offload.json")
+    z = r.config.zero
+    assert (z.stage, z.reduce_bucket_size, z.prefetch_bucket_size, z.param_persistence_threshold) == (3, 1e6, 1e6, 1e4)
+    assert r.trainer["accumulate_grad_batches"] == 2
+    assert r.scheduler.type == "WarmupLR" and r.scheduler.total_num_steps is None
+    no_effect = dict(r.no_effect)
+    for key in ("zero_optimization.offload_optimizer", "zero_optimization.offload_param",
+                "zero_optimization.sub_group_size", "zero_optimization.stage3_max_live_parameters"):
+        assert key in no_effect
+
+
+def test_zero3_infinity_auto_values_take_defaults():
+    r = _convert(CONFIGS / "zero3_infinity_nvme_auto.json")
+    assert r.config.zero == ZeroConfig(stage=3)  # every size was "auto"
+    assert r.config.precision.precision is None  # fp16/bf16 "auto": the Trainer decides
+    assert r.trainer == {} and r.micro_batch_size is None
+    for key in ("gradient_accumulation_steps", "zero_optimization.reduce_bucket_size", "optimizer.params.lr",
+                "fp16.enabled", "scheduler.params.warmup_max_lr"):
+        assert key in r.auto
+    assert r.optimizer_auto == ("lr", "betas", "eps", "weight_decay")
+    assert r.scheduler.warmup_max_lr is None  # = the optimizer's lr
+    assert {"aio", "zero_optimization.offload_param"} <= set(dict(r.no_effect))
+
+
+def test_fp16_auto_cast_with_adam_section():
+    r = _convert(CONFIGS / "fp16_autocast_adam.json")
+    assert r.config.precision.precision == "16-mixed"
+    assert r.config.precision.loss_scaler.consecutive_hysteresis is True
+    assert r.config.precision.loss_scaler.initial_scale_power == 12
+    assert r.optimizer.type == "AdamW" and r.optimizer.weight_decay == 0.1
+    assert "optimizer.params.torch_adam" in dict(r.no_effect)
+
+
+# ---------------------------------------------------------------------------------------
+# Errors and the warning
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"zero_optimization": {"stage": 2, "reduce_bucket_sizee": 5}},
+         "zero_optimization.reduce_bucket_sizee (did you mean 'reduce_bucket_size'?)"),
+        ({"gradient_clipings": 1.0}, "gradient_clipings (did you mean 'gradient_clipping'?)"),
+        ({"fp16": {"enabled": True, "initial_scale_pow": 8}}, "fp16.initial_scale_pow (did you mean 'initial_scale_power'?)"),
+        ({"zero_optimization": {"offload_param": {"device": "cpu", "pin_memroy": True}}},
+         "zero_optimization.offload_param.pin_memroy (did you mean 'pin_memory'?)"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 3}}},
+         "scheduler.params.warmup_num_step (did you mean 'warmup_num_steps'?)"),
+    ],
+)
+def test_unknown_keys_fail_with_path_and_suggestion(config, expected):
+    with pytest.raises(DeepSpeedConfigError) as info:
+        _convert(config)
+    assert expected in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"zero_optimization": {"stage": 4}}, "Allowed values: 0"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable one precision"),
+        ({"communication_data_type": "int8"}, "Allowed values: fp32, fp16, bf16"),
+        ({"optimizer": {"type": "Lamb", "params": {}}}, "Allowed values: 'Adam', 'AdamW'"),
+        ({"scheduler": {"type": "OneCycle", "params": {}}}, "configure it in your LightningModule"),
+        ({"zero_optimization": {"offload_param": {"device": "gpu"}}}, "'none', 'cpu', 'nvme'"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be a whole number >= 1"),
+    ],
+)
+def test_bad_values_fail_naming_the_allowed_ones(config, expected):
+    with pytest.raises(DeepSpeedConfigError, match="cannot be converted") as info:
+        _convert(config)
+    assert expected in str(info.value)
+
+
+def test_duplicate_json_keys_are_an_error(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"gradient_clipping": 1.0, "gradient_clipping": 2.0}')
+    with pytest.raises(DeepSpeedConfigError, match="appears twice"):
+        convert_deepspeed_config(path)
+
+
+def test_no_effect_keys_are_listed_in_exactly_one_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        convert_deepspeed_config(CONFIGS / "zero3_cpu_offload.json")
+    ours = [w for w in caught if issubclass(w.category, DeepSpeedConfigWarning)]
+    assert len(ours) == 1
+    message = str(ours[0].message)
+    assert "zero_optimization.overlap_comm" in message and "zero_optimization.offload_param" in message
+    assert "zero_optimization.stage" + " " not in message  # mapped keys are not listed
+
+
+def test_no_warning_when_every_key_takes_effect():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        convert_deepspeed_config({"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0})
+    assert not [w for w in caught if issubclass(w.category, DeepSpeedConfigWarning)]
+
+
+# ---------------------------------------------------------------------------------------
+# The scheduler reproduces DeepSpeed's arithmetic
+# ---------------------------------------------------------------------------------------
+
+
+def _deepspeed_gamma(i: int, warmup: int, total, kind: str) -> float:
+    warmup = max(2, warmup)
+    if i < warmup:
+        return math.log(i + 1) / math.log(warmup) if kind == "log" else i / warmup
+    return 1.0 if total is None else max(0.0, (total - i) / max(1.0, total - warmup))
+
+
+@pytest.mark.parametrize(("kind", "total"), [("log", None), ("log", 20), ("linear", 20)])
+def test_warmup_schedules_match_deepspeed(kind, total):
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = WarmupDecayLR(opt, 0.1, 1.0, 5, kind, total)
+    seen = []
+    for _ in range(25):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    # DeepSpeed: optimizer step k runs after k scheduler steps, at iteration k - 1 (min lr for k = 0).
+    expected = [0.1] + [0.1 + 0.9 * _deepspeed_gamma(k - 1, 5, total, kind) for k in range(1, 25)]
+    assert seen == pytest.approx(expected)
+
+
+def test_warmup_decay_needs_a_total():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(ValueError, match="total_num_steps"):
+        build_scheduler(SchedulerConfig(type="WarmupDecayLR"), opt, lr=1.0, total_steps=None)
+    assert build_scheduler(SchedulerConfig(type="WarmupDecayLR"), opt, lr=1.0, total_steps=50).total_num_steps == 50
+
+
+# ---------------------------------------------------------------------------------------
+# Trainer and optimizer wiring
+# ---------------------------------------------------------------------------------------
+
+
+def _fake_trainer(**kw):
+    base = dict(gradient_clip_val=None, gradient_clip_algorithm="norm", accumulate_grad_batches=1,
+                precision="32-true", world_size=2, lightning_module=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_apply_to_trainer_sets_unset_values():
+    r = _convert(CONFIGS / "zero3_cpu_offload.json")
+    trainer = _fake_trainer()
+    r.apply_to_trainer(trainer)
+    assert (trainer.gradient_clip_val, trainer.gradient_clip_algorithm, trainer.accumulate_grad_batches) == (1.0, "norm", 2)
+
+
+def test_apply_to_trainer_keeps_explicit_trainer_values_and_warns():
+    r = _convert(CONFIGS / "zero3_cpu_offload.json")
+    trainer = _fake_trainer(gradient_clip_val=0.5, accumulate_grad_batches=4)
+    with pytest.warns(DeepSpeedConfigWarning) as caught:
+        r.apply_to_trainer(trainer)
+    assert (trainer.gradient_clip_val, trainer.accumulate_grad_batches) == (0.5, 4)
+    text = " ".join(str(w.message) for w in caught)
+    assert "gradient_clipping=1.0" in text and "gradient_accumulation_steps=2" in text
+
+
+def test_apply_to_trainer_checks_the_batch_arithmetic():
+    r = _convert(CONFIGS / "zero1_fp16_warmupdecay.json")  # 8 = 4 x 1 x 2
+    r.apply_to_trainer(_fake_trainer(world_size=2))
+    with pytest.raises(DeepSpeedConfigError, match="train_batch_size=8 must equal"):
+        r.apply_to_trainer(_fake_trainer(world_size=4))
+    assert r.micro_batch(2) == 4
+    only_total = _convert({"train_batch_size": 32, "gradient_accumulation_steps": 2})
+    assert only_total.micro_batch(4) == 4
+
+
+def _bare_module(lr=0.01):
+    import lightning.pytorch as pl
+
+    class Bare(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lr = lr
+            self.layer = torch.nn.Linear(4, 4)
+
+    return Bare()
+
+
+def test_optimizer_sections_stand_in_for_a_missing_configure_optimizers():
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    r = _convert(CONFIGS / "zero1_fp16_warmupdecay.json")
+    module = _bare_module()
+    assert not is_overridden("configure_optimizers", module)
+    r.install_optimizers(module)
+    r.install_optimizers(module)  # idempotent
+    assert is_overridden("configure_optimizers", module)  # Lightning's check now passes
+    module.trainer = SimpleNamespace(estimated_stepping_batches=100)  # type: ignore[assignment]
+    out = r.configure_optimizers(module, module.trainer)
+    opt, sched = out["optimizer"], out["lr_scheduler"]["scheduler"]
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.8, 0.999)
+    assert isinstance(sched, WarmupDecayLR) and sched.total_num_steps == 100
+    assert out["lr_scheduler"]["interval"] == "step"
+
+
+def test_auto_lr_comes_from_the_module():
+    r = _convert(CONFIGS / "zero3_infinity_nvme_auto.json")
+    module = _bare_module(lr=0.0123)
+    out = r.configure_optimizers(module, SimpleNamespace(estimated_stepping_batches=10))
+    assert out["optimizer"].defaults["lr"] == 0.0123
+    assert out["lr_scheduler"]["scheduler"].max_lrs == [0.0123]
+
+
+def test_a_module_with_its_own_optimizer_wins_with_a_warning():
+    import lightning.pytorch as pl
+
+    class Own(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    r = _convert(CONFIGS / "zero1_fp16_warmupdecay.json")
+    module = Own()
+    r.install_optimizers(module)
+    with pytest.warns(DeepSpeedConfigWarning, match="configures its own optimizer"):
+        assert isinstance(module.configure_optimizers(), torch.optim.SGD)
+
+
+def test_strategy_accepts_a_deepspeed_dict_and_path():
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    s = AmpZeroStrategy(config={"zero_optimization": {"stage": 3, "reduce_bucket_size": 1e6}})
+    assert s.config.zero.stage == 3 and s.config.zero.reduce_bucket_size == 1e6
+    assert s.imported is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeepSpeedConfigWarning)
+        s = AmpZeroStrategy(config=str(CONFIGS / "fp16_autocast_adam.json"))
+    assert s.config.precision.precision == "16-mixed" and s.config.zero.stage == 2
+
+
+# ---------------------------------------------------------------------------------------
+# Hydra: overrides and experiment YAML compose into the same config
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.json")))
+def test_hydra_overrides_compose_to_the_same_strategy_config(name):
+    from lightning_ampzero.train import compose_typed
+
+    r = _convert(CONFIGS / name)
+    app = compose_typed(r.hydra_overrides(world_size=2))
+    assert app.strategy == r.config.zero
+    expected_precision = r.config.precision.precision or "32-true"  # "auto": the app's default group
+    assert app.precision.precision == expected_precision
+    assert app.precision.loss_scaler == r.config.precision.loss_scaler
+    if r.optimizer is not None:
+        assert app.optim.type == r.optimizer.type
+        if "lr" not in r.optimizer_auto:
+            assert app.optim.lr == r.optimizer.lr
+    if r.micro_batch(2) is not None:
+        assert app.data.batch_size == r.micro_batch(2)
+    if "gradient_clip_val" in r.trainer:
+        assert app.trainer.gradient_clip_val == r.trainer["gradient_clip_val"]
+
+
+def test_cli_prints_overrides_and_yaml_that_composes(tmp_path, capsys):
+    from lightning_ampzero.train import compose_typed
+
+    path = CONFIGS / "zero1_fp16_warmupdecay.json"
+    assert config_main(["from-deepspeed", str(path)]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("ampzero-train strategy=zero1 precision=16-mixed ")
+    assert "no effect: zero_optimization.overlap_comm" in out.err
+    assert config_main(["from-deepspeed", str(path), "--yaml", "--name", "ds"]) == 0
+    text = capsys.readouterr().out
+    assert yaml.safe_load(text)["defaults"] == [{"override /strategy": "zero1"}, {"override /precision": "16-mixed"}]
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "ds.yaml").write_text(text)
+    app = compose_typed(["experiment=ds"], config_dir=str(tmp_path))
+    r = _convert(path)
+    assert app.strategy == r.config.zero and app.precision.loss_scaler == r.config.precision.loss_scaler
+    assert app.scheduler == r.scheduler and app.data.batch_size == 4
+
+
+def test_cli_reports_unknown_keys(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stagee": 2}}))
+    assert config_main(["from-deepspeed", str(path)]) == 2
+    assert "zero_optimization.stagee (did you mean 'stage'?)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# The configs train (acceptance 3)
+# ---------------------------------------------------------------------------------------
+
+
+def _train(configs: list[Path], tmp_path: Path, steps: int = 6) -> dict:
+    out = tmp_path / "results.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), *map(str, configs), "--steps", str(steps), "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420,
+    )
+    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_fp32_tutorial_configs_train_on_two_processes(tmp_path):
+    names = ["zero_r_activation_checkpointing.json", "zero3_cpu_offload.json", "zero3_infinity_nvme_auto.json"]
+    results = _train([CONFIGS / n for n in names], tmp_path)
+    for name in names:
+        r = results[str(CONFIGS / name)]
+        assert "error" not in r, f"{name}: {r.get('error')}"
+        assert r["optimizer"] == "AdamW"  # from the config's optimizer section
+        assert r["optimizer_steps"] == 6 and r["losses"][-1] < r["losses"][0]
+    offload = results[str(CONFIGS / "zero3_cpu_offload.json")]
+    assert offload["stage"] == 3 and offload["accumulate_grad_batches"] == 2 and offload["gradient_clip_val"] == 1.0
+    assert offload["lr_schedulers"] == ["WarmupDecayLR"]
+    assert results[str(CONFIGS / "zero_r_activation_checkpointing.json")]["lr_schedulers"] == []
+
+
+def test_fp16_tutorial_configs_train_on_two_processes(tmp_path):
+    names = ["zero1_fp16_warmupdecay.json", "fp16_autocast_adam.json"]
+    results = _train([CONFIGS / n for n in names], tmp_path)
+    for name in names:
+        r = results[str(CONFIGS / name)]
+        if "error" in r and "not available" in r["error"] and "yet" in r["error"]:
+            pytest.xfail(f"{name}: {r['error']}")
+        assert "error" not in r, f"{name}: {r.get('error')}"
+        assert r["precision"] == "16-mixed" and r["optimizer"] == "AdamW"
+        assert r["losses"][-1] < r["losses"][0]
+    assert results[str(CONFIGS / "zero1_fp16_warmupdecay.json")]["stage"] == 1

@@ -1,0 +1,552 @@
+"""Acceptance 4 of issue 7: every estimator formula against hand-computed figures (DeepSpeed's
+estimator against the numbers its documentation prints), activations traced on the meta device
+against real execution, the CLI, and the planner's choice verified by running it on 2 ranks
+under the stated budget (budget enforced by measurement)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _scripts import run_json
+from lightning_ampzero.cli.estimate import main
+from lightning_ampzero.config import ZeroConfig
+from lightning_ampzero.estimate import (
+    ActivationTrace,
+    ModelSize,
+    deepspeed_estimate,
+    estimate,
+    estimate_all,
+    gpt_activations,
+    gpt_size,
+    model_size,
+    parse_bytes,
+    parse_count,
+    plan,
+    trace_activations,
+)
+from lightning_ampzero.memory import zero_formula
+from lightning_ampzero.models.gpt import GPT, GPTConfig
+
+GB = 2**30  # DeepSpeed prints "GB" for 2**30 bytes
+
+# ---------------------------------------------------------------------------------------
+# Our model-state formulas (hand-computed: Ψ = 1e6, largest layer / unit L = 1e5, N = 4)
+# ---------------------------------------------------------------------------------------
+
+PSI, L, N = 1_000_000, 100_000, 4
+SIZE = ModelSize(PSI, L)
+NO_PREFETCH = ZeroConfig(prefetch_bucket_size=0)  # FSDP2's one-unit lookahead
+
+
+def _est(stage, offload="none", precision="bf16-mixed", **kw):
+    kw.setdefault("zero", NO_PREFETCH)
+    return estimate(SIZE, stage, offload, gpus_per_node=N, precision=precision, **kw)
+
+
+@pytest.mark.parametrize("stage, params, grads, optimizer, working", [
+    # ZeRO paper, mixed precision (2 + 2 + K, K = 12):  baseline (2+2+K)Ψ, + DDP's bucket copy 2Ψ
+    (0, 2 * PSI, 2 * PSI, 12 * PSI, 2 * PSI),
+    # stage 1: 2Ψ + 2Ψ + KΨ/N
+    (1, 2 * PSI, 2 * PSI, 12 * PSI // N, 0),
+    # stage 2: 2Ψ + (2+K)Ψ/N, + one unit's unsharded gradient 2L
+    (2, 2 * PSI, 2 * PSI // N, 12 * PSI // N, 2 * L),
+    # stage 3: (2+2+K)Ψ/N, + gathered unit and the prefetched one 2·2L, + unsharded gradient 2L
+    (3, 2 * PSI // N, 2 * PSI // N, 12 * PSI // N, 2 * 2 * L + 2 * L),
+])
+def test_zero_stage_formulas(stage, params, grads, optimizer, working):
+    e = _est(stage)
+    assert (e.gpu_params, e.gpu_grads, e.gpu_optimizer, e.gpu_working) == (params, grads, optimizer, working)
+    assert e.gpu == params + grads + optimizer + working
+    assert e.cpu == 0 and e.nvme == 0  # built on the device (zero_init), nothing offloaded
+    # the persistent part is memory.py's formula, which the memory tests check against storages
+    base = zero_formula(PSI, N, stage, param_bytes=2, grad_bytes=2, state_bytes=8, master_bytes=4)
+    assert (e.gpu_params, e.gpu_grads, e.gpu_optimizer) == (base.params, base.grads, base.optimizer)
+
+
+def test_fp32_and_16bit_and_sgd_bytes():
+    # fp32 Adam, stage 3: 4 + 4 + 8 per parameter, the fp32 shard is the master (no copy)
+    e = _est(3, precision="32-true")
+    assert (e.gpu_params, e.gpu_grads, e.gpu_optimizer) == (4 * PSI // N, 4 * PSI // N, 8 * PSI // N)
+    # fp32, stage 1: the gathered copy and the fp32 shard are both kept (memory.py's table)
+    e = _est(1, precision="32-true")
+    assert (e.gpu_params, e.gpu_grads, e.gpu_optimizer) == (4 * PSI, 4 * PSI, 12 * PSI // N)
+    # all 16-bit: states in 16 bits, no master copy
+    e = _est(0, precision="bf16-true")
+    assert (e.gpu_params, e.gpu_grads, e.gpu_optimizer) == (2 * PSI, 2 * PSI, 4 * PSI)
+    # plain SGD has no state: only the fp32 master copy is left in the optimizer column
+    e = _est(2, optimizer="sgd")
+    assert e.gpu_optimizer == 4 * PSI // N
+
+
+def test_stage3_working_set_follows_units_and_prefetch():
+    # fp32: 4 bytes per gathered parameter and per unsharded gradient; the largest unit is 300k
+    size = ModelSize(PSI, L, units=(50_000, 300_000, 300_000, 300_000, 50_000))
+
+    def working(**zero):
+        return estimate(size, 3, zero=ZeroConfig(**zero)).gpu_working
+
+    # one-unit lookahead: the largest adjacent pair, 300k + 300k
+    assert working(prefetch_bucket_size=0, param_persistence_threshold=0) == 4 * 600_000 + 4 * 300_000
+    # a 600k prefetch bucket takes the two following 300k units (the 50k after them would overflow it)
+    assert working(prefetch_bucket_size=600_000, param_persistence_threshold=0) == 4 * 900_000 + 4 * 300_000
+    # units under the persistence threshold stay gathered: 50k + 50k, plus the 300k + 300k pair
+    assert working(prefetch_bucket_size=0, param_persistence_threshold=60_000) == 4 * 700_000 + 4 * 300_000
+    # defaults (5e7 prefetch bucket): everything is gathered, never more than the model
+    assert working() == 4 * PSI + 4 * 300_000
+
+
+@pytest.mark.parametrize("offload, gpu, cpu, nvme", [
+    # optimizer to CPU: states 8 + fp32 master 4 + fp32 gradient 4 = 16Ψ/N per rank, N ranks per node
+    ("optimizer=cpu", 2 * PSI // N * 2 + 6 * L, 16 * PSI, 0),
+    # NVMe: the gradient shard (4Ψ/N) stays in host memory, the rest goes to disk
+    ("optimizer=nvme", 2 * PSI // N * 2 + 6 * L, 4 * PSI, 12 * PSI),
+    # parameters too: 2 bytes of 16-bit shard on top (DeepSpeed's 18)
+    ("params+optimizer=cpu", 6 * L, 18 * PSI, 0),
+    ("params+optimizer=nvme", 6 * L, 4 * PSI, 14 * PSI),
+])
+def test_offload_formulas(offload, gpu, cpu, nvme):
+    e = _est(3, offload)
+    assert (e.gpu, e.cpu, e.nvme) == (gpu, cpu, nvme)
+
+
+def test_offload_fp32_param_shard_is_the_master_and_zero_init():
+    e = _est(3, "params+optimizer=cpu", precision="32-true")
+    assert e.cpu == 16 * PSI  # 4 shard/master + 4 grad + 8 states: no second fp32 copy
+    # stage 2 optimizer offload keeps params + sharded grads (+ unit grad) on the GPU
+    e = _est(2, "optimizer=cpu")
+    assert (e.gpu, e.cpu) == (2 * PSI + 2 * PSI // N + 2 * L, 16 * PSI)
+    # a model built whole on every process's CPU first (no zero_init): 4Ψ fp32 per process
+    assert _est(1, zero_init=False).cpu == N * 4 * PSI
+    assert _est(3, zero_init=False).cpu == 0  # stage 3 always builds on the meta device
+
+
+def test_invalid_combinations_are_rejected():
+    with pytest.raises(ValueError, match="needs stage 3"):
+        _est(2, "params+optimizer=cpu")
+    with pytest.raises(ValueError, match="stage >= 1"):
+        _est(0, "optimizer=cpu")
+    with pytest.raises(ValueError, match="Allowed values: none, optimizer=cpu"):
+        _est(2, "optimizer=gpu")
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        _est(2, precision="fp8")
+    with pytest.raises(ValueError, match="cannot exceed the whole model"):
+        ModelSize(10, 11)
+    # every stage x offload the estimator offers, offloads outermost, and nothing invalid
+    combos = [(e.stage, e.offload) for e in estimate_all(SIZE, gpus_per_node=N)]
+    assert combos[:4] == [(0, "none"), (1, "none"), (2, "none"), (3, "none")]
+    assert len(combos) == 12 and (3, "params+optimizer=nvme") in combos and (2, "params+optimizer=cpu") not in combos
+
+
+# ---------------------------------------------------------------------------------------
+# DeepSpeed's estimator: the numbers its documentation prints (docs/code-docs/source/memory.rst,
+# "estimate_zero3_model_states_mem_needs_all_cold(total_params=2851e6, largest_layer_params=32e6,
+# num_gpus_per_node=8, num_nodes=1)"), to the 2 decimals it prints.
+# ---------------------------------------------------------------------------------------
+
+T5_3B = dict(total_params=2851 * 10**6, largest_layer_params=32 * 10**6)
+
+
+@pytest.mark.parametrize("offload, zero_init, cpu_gb, gpu_gb", [
+    ("params+optimizer=cpu", True, 71.69, 0.12),
+    ("params+optimizer=cpu", False, 127.45, 0.12),
+    ("optimizer=cpu", True, 63.72, 0.78),
+    ("optimizer=cpu", False, 127.45, 0.78),
+    ("none", True, 1.43, 6.09),
+    ("none", False, 127.45, 6.09),
+])
+def test_deepspeed_zero3_matches_its_documented_example(offload, zero_init, cpu_gb, gpu_gb):
+    cpu, gpu = deepspeed_estimate(stage=3, offload=offload, gpus_per_node=8, nodes=1, zero_init=zero_init, **T5_3B)
+    assert (round(cpu / GB, 2), round(gpu / GB, 2)) == (cpu_gb, gpu_gb)
+
+
+def test_deepspeed_zero2_and_multinode():
+    psi = T5_3B["total_params"]
+    # documented: offload_optimizer=cpu -> 127.45GB per CPU, 5.31GB per GPU
+    cpu, gpu = deepspeed_estimate(psi, 0, 2, "optimizer=cpu", gpus_per_node=8)
+    assert (round(cpu / GB, 2), round(gpu / GB, 2)) == (127.45, 5.31)
+    # no offload: the current code's 2Ψ + 18Ψ/N (its docs still print the older 4Ψ + 16Ψ/N = 15.93GB)
+    cpu, gpu = deepspeed_estimate(psi, 0, 2, "none", gpus_per_node=8)
+    assert (cpu, gpu) == (int(psi * 4 * 8 * 1.5), 2 * psi + int(18 * psi / 8))
+    assert round(gpu / GB, 2) == 11.28
+    # 2 nodes x 8 GPUs: N = 16 in the GPU terms, gpus_factor = 1/2 in the CPU terms
+    psi, big = 7 * 10**9, 26 * 10**7
+    cpu, gpu = deepspeed_estimate(psi, big, 3, "optimizer=cpu", gpus_per_node=8, nodes=2)
+    assert (cpu, gpu) == (int(psi * 16 / 2 * 1.5), 4 * big + int(2 * psi / 16))
+    cpu, _ = deepspeed_estimate(psi, big, 3, "optimizer=cpu", gpus_per_node=8, nodes=2, zero_init=False)
+    assert cpu == int(psi * max(4 * 8, 16 / 2) * 1.5)
+    cpu, _ = deepspeed_estimate(psi, big, 2, "optimizer=cpu", gpus_per_node=8, nodes=2, additional_buffer_factor=1.0)
+    assert cpu == psi * max(4 * 16, 16)
+    # DeepSpeed has no estimator for stages 0-1 or NVMe
+    assert deepspeed_estimate(psi, big, 1, "none") is None
+    assert deepspeed_estimate(psi, big, 3, "optimizer=nvme") is None
+    # and ours carries its figures beside our own
+    e = estimate(ModelSize(psi, big), 3, "optimizer=cpu", gpus_per_node=8, nodes=2)
+    assert e.deepspeed_gpu == gpu and e.deepspeed_cpu == int(psi * 16 / 2 * 1.5)
+
+
+# ---------------------------------------------------------------------------------------
+# Model size from a model on the meta device
+# ---------------------------------------------------------------------------------------
+
+
+def test_gpt_size_counts_params_largest_layer_and_units():
+    cfg = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=32)
+    # block: 2 LayerNorms 2·2·64, qkv 64·192+192, proj 64·64+64, mlp 64·256+256 and 256·64+64
+    block = 2 * 2 * 64 + (64 * 192 + 192) + (64 * 64 + 64) + (64 * 256 + 256) + (256 * 64 + 64)
+    assert block == 49_984
+    total = 4 * block + 256 * 64 + 32 * 64 + 2 * 64 + 64 * 256
+    size = gpt_size(cfg, ZeroConfig(reduce_bucket_size=1, allgather_bucket_size=1))
+    assert size.numel == total == sum(p.numel() for p in GPT(cfg).parameters())
+    assert size.largest_layer == 64 * 256 + 256  # mlp.0 beats the 256x64 embedding and head
+    # every block a unit of its own, embeddings / final norm / head units of their own
+    assert size.units == (256 * 64, 32 * 64, block, block, block, block, 2 * 64, 64 * 256)
+    # default buckets (5e8 elements) pack the 4 blocks into one unit, the embeddings into one, norm + head into one
+    assert gpt_size(cfg).units == (256 * 64 + 32 * 64, 4 * block, 2 * 64 + 64 * 256)
+
+
+def test_model_size_counts_tied_weights_once():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(100, 16), nn.Linear(16, 100, bias=False))
+    model[1].weight = model[0].weight
+    assert model_size(model).numel == 1600
+
+
+# ---------------------------------------------------------------------------------------
+# Activations traced on the meta device
+# ---------------------------------------------------------------------------------------
+
+
+class _MLPBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.b(F.gelu(self.a(x)))
+
+
+def test_trace_activations_hand_computed():
+    # per block: Linear a saves its input x (b·d), GELU its input (b·4d), Linear b its input (b·4d);
+    # outside: pow saves the last output (b·d). fp32, b = 2, d = 8: b·d·4 bytes = 64.
+    with torch.device("meta"):
+        model = nn.Sequential(*[_MLPBlock(8) for _ in range(3)])
+    x = torch.zeros(2, 8, device="meta")
+    t = trace_activations(model, lambda m: m(x).pow(2).sum(), list(model))
+    unit = 2 * 8 * 4
+    assert t == ActivationTrace(saved=3 * 9 * unit + unit, outside=unit, block_inputs=3 * unit, blocks=(8 * unit,) * 3)
+    assert t.bytes("none") == 28 * unit
+    # full checkpointing: outside + the 3 block inputs + one block recomputed
+    assert t.bytes("full") == unit + 3 * unit + 8 * unit
+    with pytest.raises(ValueError, match="Allowed values: none, full"):
+        t.bytes("selective")
+
+
+def test_meta_trace_equals_a_real_cpu_forward():
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=128, block_size=16)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    idx, tgt = torch.randint(0, 128, (3, 16)), torch.randint(0, 128, (3, 16))
+
+    def run(m):
+        logits = m(idx)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
+
+    real = trace_activations(model, run, list(model.blocks), fused_attention=False)  # CPU's own SDPA kernel
+    meta = gpt_activations(cfg, 3, 16)
+    assert meta == real
+    assert meta.saved > meta.bytes("full") > 0
+    # bf16 halves the floating-point activations (the int64 token ids stay)
+    assert gpt_activations(cfg, 3, 16, "bf16-true").saved < 0.6 * meta.saved
+
+
+def test_activation_estimate_against_measured_peak_with_and_without_checkpointing():
+    """Real CPU run, peak tensor memory tracked by torch's MemTracker: beyond parameters and
+    gradients, what is live at the peak is the activations the estimate counts (within 25%),
+    and full checkpointing (non-reentrant torch.utils.checkpoint per block) brings it down as estimated."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = GPTConfig(n_layer=4, n_embd=64, n_head=4, block_size=64, vocab_size=256)
+    measured = {}
+    for ckpt in ("none", "full"):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if ckpt == "full":
+            for block in model.blocks:
+                block.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(block.forward)
+        idx, tgt = torch.randint(0, 256, (4, 64)), torch.randint(0, 256, (4, 64))
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            logits = model(idx)
+            F.cross_entropy(logits.float().view(-1, 256), tgt.view(-1)).backward()
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        by_name = {getattr(k, "value", k): v for k, v in peak.items()}
+        measured[ckpt] = by_name["Total"] - by_name["Parameter"] - by_name["Gradient"]
+    est = gpt_activations(cfg, 4, 64)
+    for ckpt in ("none", "full"):
+        assert 0.75 * est.bytes(ckpt) <= measured[ckpt] <= 1.25 * est.bytes(ckpt), (ckpt, measured, est)
+    assert measured["full"] < 0.5 * measured["none"]
+
+
+# ---------------------------------------------------------------------------------------
+# Parsing and the planner
+# ---------------------------------------------------------------------------------------
+
+
+def test_parse_counts_and_sizes():
+    assert parse_count("7e9") == 7_000_000_000
+    assert parse_count("1.3B") == 1_300_000_000
+    assert parse_count("350m") == 350_000_000
+    assert parse_count("125K") == 125_000
+    assert parse_count("7,000,000") == 7_000_000
+    assert parse_count(2.6e8) == 260_000_000
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("79.6GiB") == int(79.6 * 2**30)
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("1.5TB") == 1_500_000_000_000
+    assert parse_bytes("4096") == 4096
+    for bad, msg in (("abc", "is not a count"), ("-5", "is not a count"), ("1.5", "whole number"),
+                     ("7e9x", "is not a count"), ("inf", "is not a count")):
+        with pytest.raises(ValueError, match=msg):
+            parse_count(bad)
+    with pytest.raises(ValueError, match="ambiguous: write 80GB .* or 80GiB"):
+        parse_bytes("80G")
+    for bad in ("eighty", "-1GB", "80 GB GB", "80PB"):
+        with pytest.raises(ValueError, match="is not a size"):
+            parse_bytes(bad)
+
+
+def _act() -> ActivationTrace:
+    # 1.0e6 bytes without checkpointing, 0.4e6 with full checkpointing
+    return ActivationTrace(saved=1_000_000, outside=100_000, block_inputs=100_000, blocks=(200_000, 200_000))
+
+
+def test_plan_choice_and_rejections():
+    kw = dict(gpus_per_node=N, zero=NO_PREFETCH, activations=_act(), precision="bf16-mixed")
+    # 6.0e6 per GPU: stage 0 (19e6 / 18.4e6), stage 1 (8e6 / 7.4e6) and stage 2 (6.7e6 / 6.1e6) do not fit;
+    # stage 3 without checkpointing does (4.6e6 + 1e6 = 5.6e6)
+    p = plan(SIZE, 6_000_000, 10**12, **kw)
+    c = p.choice
+    assert (c.stage, c.offload, c.checkpointing, c.gpu) == (3, "none", "none", 5_600_000)
+    assert [(r.stage, r.checkpointing) for r in p.rejected] == [
+        (0, "none"), (0, "full"), (1, "none"), (1, "full"), (2, "none"), (2, "full")]
+    assert p.rejected[-1].reasons == ("GPU needs 5.8 MiB > 5.7 MiB",)
+    # 6.2e6: stage 2 with full checkpointing (6.1e6) now fits, and wins over stage 3 (lower stage first)
+    c = plan(SIZE, 6_200_000, 10**12, **kw).choice
+    assert (c.stage, c.checkpointing) == (2, "full")
+    # headroom counts: 10% of 6.2e6 kept free leaves 5.58e6, below stage 3 without checkpointing
+    c = plan(SIZE, 6_200_000, 10**12, gpu_headroom=0.1, **kw).choice
+    assert (c.stage, c.checkpointing) == (3, "full")
+    # 2e6 per GPU: only offloading fits; optimizer=cpu (stage 3: 1.6e6 + 0.4e6) needs 16e6 CPU per node
+    p = plan(SIZE, 2_000_000, 20_000_000, **kw)
+    assert (p.choice.stage, p.choice.offload, p.choice.checkpointing) == (3, "optimizer=cpu", "full")
+    # with 15e6 CPU neither optimizer=cpu (16e6) nor params+optimizer=cpu (18e6) fits, and NVMe needs a budget
+    p = plan(SIZE, 2_000_000, 15_000_000, **kw)
+    assert p.choice is None and len(p.rejected) == len(p.candidates)
+    reasons = {r for c in p.rejected for r in c.reasons}
+    assert "CPU needs 15.3 MiB per node > 14.3 MiB" in reasons and "NVMe offload needs --nvme-memory" in reasons
+    p = plan(SIZE, 2_000_000, 15_000_000, nvme_memory=10**9, **kw)
+    assert (p.choice.stage, p.choice.offload, p.choice.checkpointing) == (3, "optimizer=nvme", "full")
+    assert (p.choice.cpu, p.choice.nvme) == (4 * PSI, 12 * PSI)
+    # 1e6 per GPU: only the parameters offloaded too, with checkpointing (0.6e6 + 0.4e6)
+    p = plan(SIZE, 1_000_000, 5_000_000, nvme_memory=10**9, **kw)
+    assert (p.choice.stage, p.choice.offload, p.choice.checkpointing) == (3, "params+optimizer=nvme", "full")
+    # without an activation trace, activations count 0 and checkpointing is not searched
+    p = plan(SIZE, 6_000_000, 10**12, gpus_per_node=N, zero=NO_PREFETCH, precision="bf16-mixed")
+    assert (p.choice.stage, p.choice.checkpointing, p.choice.gpu) == (2, "none", 5_700_000)
+    assert not p.activations_known and {c.checkpointing for c in p.candidates} == {"none"}
+    with pytest.raises(ValueError, match="gpu_memory must be a positive"):
+        plan(SIZE, 0, 10**9)
+    with pytest.raises(ValueError, match=r"gpu_headroom .* \[0, 1\)"):
+        plan(SIZE, 10**9, 10**9, gpu_headroom=1.0)
+
+
+# ---------------------------------------------------------------------------------------
+# The CLI
+# ---------------------------------------------------------------------------------------
+
+
+def test_cli_estimate_from_counts(capsys):
+    assert main(["--params", "7e9", "--largest-layer", "2.6e8", "--gpus-per-node", "8", "--nodes", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {(r["stage"], r["offload"]): r for r in out["model_states"]}
+    want = estimate(ModelSize(7 * 10**9, 26 * 10**7), 3, "optimizer=cpu", gpus_per_node=8, precision="bf16-mixed")
+    assert rows[(3, "optimizer=cpu")]["gpu"] == want.gpu
+    assert rows[(3, "none")]["deepspeed_gpu"] == 4 * 26 * 10**7 + int(18 * 7 * 10**9 / 8)
+    assert out["activations"] is None
+    assert main(["--params", "7e9", "--largest-layer", "2.6e8", "--gpus-per-node", "8"]) == 0
+    table = capsys.readouterr().out
+    assert "params+optimizer=nvme" in table and "DeepSpeed GPU" in table and "15.64 GiB" in table
+
+
+def test_cli_estimate_from_gpt(capsys):
+    args = ["--model", "gpt", "--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--block-size", "32",
+            "--micro-batch", "2", "--precision", "32-true", "--gpus-per-node", "2"]
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32)
+    assert out["model"]["numel"] == gpt_size(cfg).numel
+    assert out["activations"] == {"none": gpt_activations(cfg, 2).bytes("none"), "full": gpt_activations(cfg, 2).bytes("full")}
+    assert main(args) == 0
+    assert "Activations per GPU (micro-batch 2 x 32 tokens" in capsys.readouterr().out
+
+
+def test_cli_plan(capsys):
+    base = ["plan", "--params", "1e6", "--largest-layer", "1e5", "--gpus-per-node", "4", "--zero", "prefetch_bucket_size=0",
+            "--gpu-headroom", "0", "--cpu-headroom", "0", "--cpu-memory", "1TB"]
+    assert main(base + ["--gpu-memory", "6MB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["choice"]["stage"], out["choice"]["offload"]) == (2, "none")  # 5.7e6 (no activations given)
+    assert out["activations_known"] is False
+    assert main(base + ["--gpu-memory", "6MB"]) == 0
+    table = capsys.readouterr().out
+    assert "CHOSEN" in table and "rejected: GPU needs 6.7 MiB > 5.7 MiB" in table
+    assert main(base + ["--gpu-memory", "100KB", "--stages", "1,2"]) == 1  # nothing fits
+    assert "Nothing fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--params", "abc", "--largest-layer", "1e5"], "--params='abc' is not a count"),
+    (["--params", "1e6"], "--params needs --largest-layer"),
+    (["--params", "1e6", "--largest-layer", "1e7"], "cannot exceed the whole model"),
+    (["--params", "1e6", "--largest-layer", "1e5", "--model", "gpt"], "either as counts"),
+    ([], "either as counts"),
+    (["--params", "1e6", "--largest-layer", "1e5", "--zero", "prefetch_bucket=0"], "Did you mean 'prefetch_bucket_size'"),
+    (["--params", "1e6", "--largest-layer", "1e5", "--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--model", "gpt", "--n-embd", "100", "--n-head", "3"], "must be divisible by model.n_head=3"),
+    (["--model", "gpt", "--block-size", "32", "--seq-len", "64"], "seq_len must be a whole number between 1 and"),
+    (["plan", "--params", "1e6", "--largest-layer", "1e5", "--gpu-memory", "80G", "--cpu-memory", "1TB"],
+     "ambiguous: write 80GB"),
+    (["plan", "--params", "1e6", "--largest-layer", "1e5", "--gpu-memory", "80GB"], "--cpu-memory"),
+    (["plan", "--params", "1e6", "--largest-layer", "1e5", "--gpu-memory", "80GB", "--cpu-memory", "1TB",
+      "--stages", "1,4"], "--stages: '4' is not valid. Allowed values: 0, 1, 2, 3"),
+    (["plan", "--params", "1e6", "--largest-layer", "1e5", "--gpu-memory", "80GB", "--cpu-memory", "1TB",
+      "--offload", "cpu"], "Allowed values: none, optimizer=cpu"),
+    (["plan", "--params", "1e6", "--largest-layer", "1e5", "--gpu-memory", "80GB", "--cpu-memory", "1TB",
+      "--gpu-headroom", "1.5"], "fraction in [0, 1)"),
+])
+def test_cli_rejects_bad_input_with_what_is_allowed(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# MemoryReport callback, one process (the 2-rank path runs in the plan check below)
+# ---------------------------------------------------------------------------------------
+
+
+def test_memory_report_callback_single_process(tmp_path, capsys):
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader
+
+    from lightning_ampzero.callbacks import MemoryReport
+    from lightning_ampzero.models.gpt import GPTModule
+
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64)
+    report = MemoryReport(log_every_n_steps=2, print_table=True, activation_estimate=gpt_activations(cfg, 2, 16))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, callbacks=[report], enable_checkpointing=False,
+                         logger=CSVLogger(tmp_path, name="m", version=0), enable_progress_bar=False,
+                         enable_model_summary=False)
+    pl.seed_everything(0, verbose=False)
+    tokens = torch.randint(0, 64, (32, 17), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    trainer.fit(GPTModule(model=cfg), DataLoader(data, batch_size=2))
+    psi = gpt_size(cfg).numel
+    r = report.report
+    assert r["stage"] == 0 and r["world_size"] == 1 and len(r["per_rank"]) == 1
+    rank = r["per_rank"][0]
+    # fp32 Adam on one device: 4Ψ params, 4Ψ grads, 8Ψ states (+ a 4-byte step counter per tensor)
+    assert (rank["params"], rank["grads"]) == (4 * psi, 4 * psi)
+    assert 8 * psi <= rank["optimizer"] <= 8 * psi + 4 * 64
+    assert rank["model_states"] == rank["params"] + rank["grads"] + rank["optimizer"]
+    # measured activations of a real micro-batch equal the meta-device trace
+    assert rank["activations"] == gpt_activations(cfg, 2, 16).saved == r["activation_estimate"]
+    assert r["estimate"]["gpu_params"] == 4 * psi and r["estimate"]["gpu_optimizer"] == 8 * psi
+    rows = list(csv.DictReader(open(tmp_path / "m" / "version_0" / "metrics.csv")))
+    logged = [row for row in rows if row.get("memory/rank0/params_mib")]
+    assert len(logged) >= 2  # step 2 and the end of training
+    assert float(logged[-1]["memory/rank0/params_mib"]) == pytest.approx(4 * psi / 2**20)
+    assert float(logged[-1]["memory/estimate/model_states_mib"]) == pytest.approx(r["estimate"]["gpu"] / 2**20)
+    assert "memory per rank, ZeRO stage 0" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------
+# The planner's choice, run on 2 ranks under the budget (budget enforced by measurement)
+# ---------------------------------------------------------------------------------------
+
+PLAN_MODEL = dict(n_layer=4, n_embd=64, n_head=4, block_size=32)
+# every block its own unit, FSDP2's one-unit lookahead, no persistent units: the stages differ clearly
+PLAN_ZERO = dict(reduce_bucket_size=1, allgather_bucket_size=1, prefetch_bucket_size=0, param_persistence_threshold=0)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plan")
+    out = run_json("plan_check.py", tmp / "out.json", "--stages", "0,1,2,3", "--model", json.dumps(PLAN_MODEL),
+                   "--zero", json.dumps(PLAN_ZERO), "--micro-batch", "2", "--seq-len", "32",
+                   "--log-dir", str(tmp / "logs"), timeout=600)
+    out["log_dir"] = tmp / "logs"
+    return out
+
+
+@pytest.mark.parametrize("budget, stage", [("4.3MB", 2), ("3.9MB", 3)])
+def test_planned_configuration_fits_and_the_rejected_ones_do_not(measured, budget, stage):
+    cfg, zero = GPTConfig(**PLAN_MODEL), ZeroConfig(**PLAN_ZERO)
+    gpu = parse_bytes(budget)
+    # the strategy has neither offload nor activation checkpointing yet: search what can run
+    p = plan(gpt_size(cfg, zero), gpu, parse_bytes("1GB"), activations=gpt_activations(cfg, 2, 32),
+             offloads=["none"], checkpointing=["none"], gpus_per_node=2, precision="32-true", zero=zero)
+    assert p.choice.stage == stage
+    assert [c.stage for c in p.rejected] == list(range(stage))
+    run = measured[str(p.choice.stage)]
+    assert run["world_size"] == 2
+    # the chosen configuration runs within the budget on every rank (max over ranks)...
+    assert run["need"] <= gpu, (budget, run)
+    # ...and every faster configuration the planner rejected would not have
+    for rejected in p.rejected:
+        assert measured[str(rejected.stage)]["need"] > gpu, (budget, rejected.stage, measured[str(rejected.stage)])
+
+
+def test_plan_check_estimates_bound_the_measurements(measured):
+    """Per stage the estimate bounds the measurement from above, within 10% (stage 0 without DDP's
+    bucket copies, which are no storages memory.py sees), and the activations of a real
+    micro-batch are exactly the meta trace."""
+    cfg, zero = GPTConfig(**PLAN_MODEL), ZeroConfig(**PLAN_ZERO)
+    size, acts = gpt_size(cfg, zero), gpt_activations(cfg, 2, 32)
+    for stage in (0, 1, 2, 3):
+        run = measured[str(stage)]
+        est = estimate(size, stage, gpus_per_node=2, precision="32-true", zero=zero)
+        assert run["activations"] == acts.saved
+        ddp_buckets = 4 * size.numel if stage == 0 else 0
+        # 0.1% slack: Adam's 4-byte step counters, one per parameter tensor
+        assert run["model_states"] <= 1.001 * est.gpu, (stage, run, est)
+        assert est.gpu - ddp_buckets <= 1.10 * run["model_states"], (stage, run, est)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_memory_report_callback_on_two_ranks(measured, stage):
+    """MemoryReport ran beside the plan check: both ranks gathered, categories as the ZeRO
+    formula says, its estimate the estimator's, and per-rank metrics in the Trainer's logger."""
+    cfg, zero = GPTConfig(**PLAN_MODEL), ZeroConfig(**PLAN_ZERO)
+    psi = gpt_size(cfg, zero).numel
+    report = measured[str(stage)]["report"]
+    assert report["stage"] == stage and [r["rank"] for r in report["per_rank"]] == [0, 1]
+    states = 8 * psi if stage == 0 else 4 * psi  # Adam states, whole or halved
+    for r in report["per_rank"]:
+        assert r["optimizer"] == pytest.approx(states, rel=1e-3)
+        assert r["activations"] == gpt_activations(cfg, 2, 32).saved
+    est = estimate(gpt_size(cfg, zero), stage, gpus_per_node=2, precision="32-true", zero=zero)
+    assert report["estimate"]["gpu"] == est.gpu
+    rows = list(csv.DictReader(open(measured["log_dir"] / f"stage{stage}" / "version_0" / "metrics.csv")))
+    logged = [row for row in rows if row.get("memory/rank1/optimizer_mib")]
+    assert logged and float(logged[-1]["memory/rank1/optimizer_mib"]) == pytest.approx(states / 2**20, rel=1e-3)
