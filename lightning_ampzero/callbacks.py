@@ -252,7 +252,10 @@ def render_memory_report(report: dict[str, Any], console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # logs and CI: rich would squeeze the table into 80 columns
+            console = Console(width=140)
     title = f"memory per rank, ZeRO stage {report['stage']}, {report['world_size']} ranks (measured peaks)"
     table = Table(title=title, title_justify="left")
     for col in ("rank", "params", "grads", "optimizer", "working set", "model states", "activations", "peak RSS"):

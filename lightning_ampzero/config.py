@@ -12,6 +12,7 @@ Sizes are counted in elements (parameters), as in DeepSpeed's config, and typed
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -229,12 +230,282 @@ class PrecisionConfig:
         return config_from_dict(cls, data, path="precision")
 
 
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise")
+FP8_FORMATS = ("hybrid", "e4m3")
+MSAMP_LEVELS = ("none", "O1", "O2")
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """FP8 training of the ``nn.Linear`` layers (lightning_ampzero.fp8; user guide: docs/fp8.md).
+
+    Creating one turns FP8 on (``AmpZeroStrategy(fp8=Fp8Config(recipe="delayed"))``);
+    :meth:`off` is the disabled config that :class:`AmpZeroConfig` holds by default. FP8 runs on
+    top of the Trainer's precision ("bf16-mixed" or "bf16-true" in practice): only the GEMMs of
+    the converted layers change.
+
+    Attributes:
+        enabled: False = FP8 is off; nothing is converted.
+        recipe: how scales are chosen. ``tensorwise``: one scale per tensor from its current amax
+            (dynamic). ``delayed``: per-tensor scales from an amax history of earlier steps
+            (Transformer Engine's recipe: the cast needs no extra pass over the tensor).
+            ``rowwise``: one scale per row of each GEMM operand (dynamic; robust to outliers).
+        format: ``hybrid`` = E4M3 for activations and weights, E5M2 for gradients (more range);
+            ``e4m3`` = E4M3 everywhere. ``None`` picks ``hybrid``, or ``e4m3`` for ``rowwise``
+            (CUDA's row-wise FP8 GEMM takes E4M3 operands only).
+        amax_history_len: ``delayed``: number of steps whose amax the scale is taken from (max).
+        margin: ``delayed``: scales are divided by ``2**margin`` (headroom for growing amax).
+        reduce_amax: ``delayed``: all-reduce (MAX) the amaxes over data-parallel ranks before the
+            scales are updated, so every rank uses the same scales (one collective per step).
+        min_features: layers with ``min(in_features, out_features) < min_features`` stay in high
+            precision: the casts around a small GEMM cost more than FP8 saves. 0 converts all.
+        pad_dims: FP8 GEMMs need ``in_features`` and ``out_features`` to be multiples of 16. False
+            skips other layers; True converts them, zero-padding the operands (exact, but
+            the padded part is wasted work).
+        skip_fqns: ``fnmatch`` patterns of module names never converted (e.g. ``"*head"``). For
+            a callable, call ``convert_to_fp8(model, cfg, module_filter_fn=...)`` in
+            ``configure_model``; the strategy leaves converted layers as they are.
+        msamp: MS-AMP-style level. ``none``: FP8 GEMMs only. ``O1``: + weights all-gathered in FP8
+            under ZeRO stages 1-3 (FSDP2 all-gather extension; half the bytes of bf16).
+            ``O2``: O1 + Adam's first moment stored in FP8 (E4M3) and second moment in fp16,
+            each with a per-tensor scale (3 bytes per parameter instead of 8).
+        emulate: compute the GEMMs on dequantized operands instead of ``torch._scaled_mm`` (same
+            quantization, no FP8 GEMM); chosen automatically on GPUs without FP8 support.
+    """
+
+    enabled: bool = True
+    recipe: str = "tensorwise"
+    format: Optional[str] = None
+    amax_history_len: int = 16
+    margin: int = 0
+    reduce_amax: bool = True
+    min_features: int = 1024
+    pad_dims: bool = False
+    skip_fqns: tuple[str, ...] = ()
+    msamp: str = "none"
+    emulate: bool = False
+
+    def __post_init__(self) -> None:
+        owner = "fp8"
+        for name in ("enabled", "reduce_amax", "pad_dims", "emulate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"fp8.{name} must be true or false, got {getattr(self, name)!r}.")
+        check_choice(owner, "recipe", self.recipe, FP8_RECIPES)
+        if self.format is not None:
+            check_choice(owner, "format", self.format, FP8_FORMATS)
+        check_choice(owner, "msamp", self.msamp, MSAMP_LEVELS)
+        check_number(owner, "amax_history_len", self.amax_history_len, minimum=1, integral=True)
+        check_number(owner, "margin", self.margin, minimum=0, integral=True)
+        check_number(owner, "min_features", self.min_features, minimum=0, integral=True)
+        if isinstance(self.skip_fqns, str):
+            raise ValueError(f"fp8.skip_fqns must be a list of module-name patterns, got the string {self.skip_fqns!r}.")
+        object.__setattr__(self, "skip_fqns", tuple(self.skip_fqns))
+        for pattern in self.skip_fqns:
+            if not isinstance(pattern, str) or not pattern:
+                raise ValueError(f"fp8.skip_fqns must hold module-name patterns such as '*head', got {pattern!r}.")
+        if self.recipe == "rowwise" and self.format == "hybrid":
+            raise ValueError(
+                "fp8.recipe='rowwise' with fp8.format='hybrid': CUDA's row-wise scaled GEMM takes E4M3 operands"
+                " only, so gradients cannot be E5M2. Use format='e4m3' (or leave it unset), or recipe='tensorwise'"
+                " / 'delayed' for E5M2 gradients."
+            )
+        if self.recipe != "delayed":
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            changed = [n for n in ("amax_history_len", "margin") if getattr(self, n) != defaults[n]]
+            if changed:
+                raise ValueError(
+                    f"fp8.{changed[0]}={getattr(self, changed[0])!r} only applies to recipe='delayed' (an amax"
+                    f" history), not to recipe={self.recipe!r}. Remove the setting or set recipe='delayed'."
+                )
+
+    @classmethod
+    def off(cls) -> "Fp8Config":
+        """The disabled config (AmpZeroConfig's default): no layer is converted."""
+        return cls(enabled=False)
+
+    @property
+    def resolved_format(self) -> str:
+        return self.format or ("e4m3" if self.recipe == "rowwise" else "hybrid")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "Fp8Config":
+        return config_from_dict(cls, data, path="fp8")
+
+
+AC_MODES = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """Activation checkpointing (ZeRO-R), DeepSpeed's keys where they exist (docs/activation_checkpointing.md).
+
+    Attributes:
+        mode: ``none`` (off), ``full`` (a checkpointed block keeps only its inputs; backward re-runs
+            its forward) or ``selective`` (also keeps the outputs of matmuls and attention, recomputes
+            the cheap ops: norms, activations, adds).
+        modules: class names of the blocks to checkpoint; empty = the repeated blocks (as
+            ``zero.wrap_modules``), e.g. the transformer blocks.
+        every_n: checkpoint every n-th block, from the first (1 = all).
+        number_checkpoints: checkpoint this many blocks, spread evenly (the first included); ``None``
+            = decided by ``every_n``. Also the capacity of the contiguous buffer (as in DeepSpeed).
+        cpu_checkpointing: keep the checkpoints (block inputs) in host memory until backward; on CUDA
+            copied asynchronously on a side stream into pinned memory.
+        contiguous_memory_optimization: copy the checkpoints into a preallocated arena that is reused
+            every step instead of fresh allocations (less fragmentation).
+        synchronize_checkpoint_boundary: synchronize the accelerator before and after every
+            checkpointed block (debugging, timing). Host compute is synchronous: no-op on CPU.
+        profile: time the forward and the recomputation of every checkpointed block
+            (``strategy.activation_checkpointing.profile_summary()``; logged at teardown).
+        partition_activations: DeepSpeed splits checkpoints across a tensor-parallel group. This
+            strategy's mesh is pure data parallel, where it saves nothing: accepted for DeepSpeed
+            configs, with a warning that says so.
+    """
+
+    mode: str = "none"
+    modules: tuple[str, ...] = ()
+    every_n: int = 1
+    number_checkpoints: Optional[int] = None
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+    partition_activations: bool = False
+
+    def __post_init__(self) -> None:
+        owner = "activation_checkpointing"
+        check_choice(owner, "mode", self.mode, AC_MODES)
+        flags = ("cpu_checkpointing", "contiguous_memory_optimization", "synchronize_checkpoint_boundary", "profile",
+                 "partition_activations")
+        for name in flags:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{owner}.{name} must be true or false, got {getattr(self, name)!r}.")
+        check_number(owner, "every_n", self.every_n, minimum=1, integral=True)
+        if self.number_checkpoints is not None:
+            check_number(owner, "number_checkpoints", self.number_checkpoints, minimum=1, integral=True)
+            if self.every_n != 1:
+                raise ValueError(
+                    f"{owner}.number_checkpoints={self.number_checkpoints} and {owner}.every_n={self.every_n} both"
+                    " choose which blocks are checkpointed: set one of them."
+                )
+        if isinstance(self.modules, str):
+            raise ValueError(f"{owner}.modules must be a list of class names, got the string {self.modules!r}.")
+        object.__setattr__(self, "modules", tuple(self.modules))
+        for name in self.modules:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{owner}.modules must hold class names, got {name!r}.")
+        if self.mode == "none":
+            default = ActivationCheckpointingConfig.__dataclass_fields__
+            changed = [n for n in (*flags, "modules", "every_n", "number_checkpoints")
+                       if getattr(self, n) != default[n].default and not (n == "modules" and not self.modules)]
+            if changed:
+                raise ValueError(
+                    f"{owner}.{changed[0]}={getattr(self, changed[0])!r} has no effect with {owner}.mode='none'"
+                    " (checkpointing is off). Set mode='full' or 'selective', or remove the setting."
+                )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "ActivationCheckpointingConfig":
+        return config_from_dict(cls, data, path="activation_checkpointing")
+
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """ZeRO-Offload / ZeRO-Infinity: optimizer state and parameters off the accelerator (docs/offload.md).
+
+    DeepSpeed's keys (``zero_optimization.offload_optimizer.*`` / ``offload_param.*`` and
+    ``sub_group_size``), flattened into one object.
+
+    Attributes:
+        offload_optimizer: ``none``, ``cpu`` or ``nvme``: where the fp32 master weights and the Adam
+            moments live (stages 1-3). The optimizer step runs on the host (vectorized AdamW),
+            ``sub_group_size`` elements at a time.
+        offload_param: ``none`` or ``cpu`` (stage 3): parameter shards live in host memory and are
+            copied to the accelerator for each all-gather (FSDP2's CPUOffloadPolicy; needs an
+            accelerator). ``nvme`` is not implemented.
+        nvme_path: directory for ``nvme`` swap files (on a fast local drive). ``None`` = a directory
+            under the Trainer's ``default_root_dir`` (with a warning).
+        pin_memory: page-locked host buffers, so host-device copies are asynchronous. Applied only
+            where an accelerator exists (pinning fails on a CPU-only machine).
+        buffer_count: ``nvme``: host buffers for optimizer state, each one state tensor of one tile
+            (``sub_group_size`` fp32 elements). Adam needs 3 per tile (master, two moments), so
+            ``buffer_count // 3`` tiles are in flight: the resident state is at most
+            ``buffer_count * sub_group_size * 4`` bytes.
+        sub_group_size: elements per optimizer tile: the unit of the host step and of NVMe I/O.
+        io_threads: ``nvme``: background threads reading and writing tiles.
+    """
+
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    nvme_path: Optional[str] = None
+    pin_memory: bool = True
+    buffer_count: int = 6
+    sub_group_size: float = 1e8
+    io_threads: int = 2
+
+    def __post_init__(self) -> None:
+        owner = "offload"
+        check_choice(owner, "offload_optimizer", self.offload_optimizer, OFFLOAD_DEVICES)
+        check_choice(owner, "offload_param", self.offload_param, OFFLOAD_DEVICES)
+        if self.offload_param == "nvme":
+            raise ValueError(
+                "offload.offload_param='nvme' (ZeRO-Infinity parameter swapping) is not implemented. Use"
+                " offload_param='cpu' (stage 3, on an accelerator), and offload_optimizer='nvme' for the optimizer"
+                " state, which is most of the model-state memory (12 of 16 bytes per parameter)."
+            )
+        if not isinstance(self.pin_memory, bool):
+            raise ValueError(f"offload.pin_memory must be true or false, got {self.pin_memory!r}.")
+        check_number(owner, "buffer_count", self.buffer_count, minimum=3, integral=True)
+        check_number(owner, "sub_group_size", self.sub_group_size, minimum=1, integral=True)
+        check_number(owner, "io_threads", self.io_threads, minimum=1, integral=True)
+        if self.nvme_path is not None:
+            if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):
+                raise ValueError(f"offload.nvme_path must be a directory path, got {self.nvme_path!r}.")
+            if self.offload_optimizer != "nvme":
+                raise ValueError(
+                    f"offload.nvme_path={str(self.nvme_path)!r} is set but offload.offload_optimizer="
+                    f"{self.offload_optimizer!r}: only 'nvme' uses it. Set offload_optimizer='nvme' or remove nvme_path."
+                )
+            object.__setattr__(self, "nvme_path", str(self.nvme_path))
+
+    @property
+    def enabled(self) -> bool:
+        return self.offload_optimizer != "none" or self.offload_param != "none"
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "OffloadConfig":
+        return config_from_dict(cls, data, path="offload")
+
+
 @dataclass(frozen=True)
 class AmpZeroConfig:
     """Everything the strategy is configured by. Features add their own field here."""
 
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config.off)
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+    def __post_init__(self) -> None:
+        stage = self.zero.stage
+        if self.offload.offload_optimizer != "none" and stage == 0:
+            raise ValueError(
+                f"offload.offload_optimizer={self.offload.offload_optimizer!r} needs zero.stage 1, 2 or 3 (ZeRO-Offload"
+                " moves each rank's optimizer-state partition off the accelerator); stage 0 has no partition. Use"
+                " stage=1 or higher."
+            )
+        if self.offload.offload_param != "none" and stage != 3:
+            raise ValueError(
+                f"offload.offload_param={self.offload.offload_param!r} needs zero.stage=3 (only stage 3 partitions the"
+                f" parameters), got stage={stage}. Set stage=3, or use offload_optimizer for stages 1-2."
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "AmpZeroConfig":

@@ -19,24 +19,23 @@ GPUs-per-node, nodes, ``zero_init`` and ``additional_buffer_factor`` options), s
 those numbers can compare. DeepSpeed's figures assume fp16 mixed precision with Adam; ours follow
 the precision and optimizer given.
 
-:func:`plan` picks the fastest configuration that fits a GPU and CPU (and NVMe) budget. "Fastest"
-is the order documented at :data:`PLAN_ORDER`: fewest offloads first (every offload moves state
-over PCIe or to disk each step), then the lowest stage (each stage adds communication: stage 3
-gathers parameters twice per step), then the least recompute.
+:func:`plan` picks the fastest configuration that fits a GPU and CPU (and NVMe) budget, in the
+order of :func:`_preference` (see its [Note: plan order]): fewest offloads, then lowest stage, then
+least recompute, where stages 0-2 count as one stage because they communicate the same bytes.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from lightning_ampzero.config import STAGES, ZeroConfig
-from lightning_ampzero.memory import ModelStateBytes, zero_formula
+from lightning_ampzero.memory import zero_formula
 
 __all__ = [
     "CHECKPOINTING",
@@ -51,6 +50,7 @@ __all__ = [
     "deepspeed_estimate",
     "estimate",
     "estimate_all",
+    "format_bytes",
     "gpt_activations",
     "gpt_size",
     "model_size",
@@ -63,16 +63,21 @@ __all__ = [
 OFFLOADS = ("none", "optimizer=cpu", "optimizer=nvme", "params+optimizer=cpu", "params+optimizer=nvme")
 CHECKPOINTING = ("none", "full")
 
-# bytes per element: (compute parameters, gradients, fp32-or-not master copy, one optimizer state)
-PRECISIONS: dict[str, tuple[int, int, int, int]] = {
-    "32-true": (4, 4, 4, 4),
-    # ZeRO paper / DeepSpeed layout: 16-bit params and grads, fp32 master and states (K = 12).
-    "16-mixed": (2, 2, 4, 4),
-    "bf16-mixed": (2, 2, 4, 4),
-    # Everything 16-bit, optimizer states included: no separate master copy.
-    "16-true": (2, 2, 2, 2),
-    "bf16-true": (2, 2, 2, 2),
+# This project's layout (precision/policy.py, [Note: master weights]): in every precision the model
+# holds fp32 parameters (the master, sharded at stages 1-3), gradients land in fp32 ``.grad`` and
+# optimizer states are fp32. Precisions differ in the compute copy. Bytes per element of
+# (the gathered / compute copy of the parameters, an unsharded gradient before its reduction):
+PRECISIONS: dict[str, tuple[int, int]] = {
+    "32-true": (4, 4),
+    # autocast casts per op; parameters gather in fp32 (the Linear layers gather in 16 bits at
+    # stage 3: counted as fp32, an upper bound) and reduce in fp32 (the Linear layers in 16 bits)
+    "16-mixed": (4, 4),
+    "bf16-mixed": (4, 4),
+    # a 16-bit compute copy per forward (FSDP2 MixedPrecisionPolicy; stage 0: cast in forward)
+    "16-true": (2, 2),
+    "bf16-true": (2, 2),
 }
+FP32 = 4
 # optimizer states per parameter
 OPTIMIZERS = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}
 
@@ -127,7 +132,9 @@ def parse_bytes(value: Any, what: str = "memory") -> int:
         if m is None or suffix not in _BYTE_SUFFIX:
             hint = ""
             if suffix in ("K", "M", "G", "T"):
-                hint = f" ({text!r} is ambiguous: write {m.group(1)}{suffix}B for 10^n bytes or {m.group(1)}{suffix}iB for 2^n.)"
+                n = "KMGT".index(suffix) + 1
+                hint = (f" ({text!r} is ambiguous: write {m.group(1)}{suffix}B for 10^{3 * n} bytes or"
+                        f" {m.group(1)}{suffix}iB for 2^{10 * n}.)")
             raise ValueError(
                 f"{what}={value!r} is not a size. Write a number with a unit: B, KB, MB, GB, TB (powers of 1000)"
                 f" or KiB, MiB, GiB, TiB (powers of 1024), e.g. 80GB, 79.6GiB, 512GiB.{hint}"
@@ -171,8 +178,9 @@ class ModelSize:
         largest_layer: parameters owned directly by the largest module (DeepSpeed's definition,
             ``sum(p.numel() for p in m.parameters(recurse=False))``): what DeepSpeed's ZeRO-3 gathers at once.
         units: elements of each FSDP2 communication unit in execution order (what our stage 3
-            gathers at once), when known from a model; empty when only counts were given, in
-            which case every unit is taken to be ``largest_layer`` large.
+            gathers at once), when known from a model; empty when only counts were given.
+        unit: without ``units``: elements of the largest unit (e.g. a transformer block), every
+            unit taken to be that large; 0 = ``largest_layer``.
         root: elements left to the root unit (gathered for the whole forward and backward).
         description: where the numbers come from, for tables.
     """
@@ -180,6 +188,7 @@ class ModelSize:
     numel: int
     largest_layer: int
     units: tuple[int, ...] = ()
+    unit: int = 0
     root: int = 0
     description: str = ""
 
@@ -193,11 +202,13 @@ class ModelSize:
                 f"the largest layer ({self.largest_layer:,} parameters) cannot exceed the whole model"
                 f" ({self.numel:,} parameters)."
             )
+        if self.unit < 0 or self.unit > self.numel:
+            raise ValueError(f"the largest unit must be between 1 and the whole model ({self.numel:,}), got {self.unit!r}.")
         object.__setattr__(self, "units", tuple(int(u) for u in self.units))
 
     @property
     def largest_unit(self) -> int:
-        return max(self.units) if self.units else self.largest_layer
+        return max(self.units) if self.units else (self.unit or self.largest_layer)
 
 
 def model_size(module: nn.Module, zero: Optional[ZeroConfig] = None, description: str = "") -> ModelSize:
@@ -304,7 +315,7 @@ def _stage3_gathered(size: ModelSize, zero: ZeroConfig) -> int:
     """
     budget = int(zero.prefetch_bucket_size)
     if not size.units:
-        unit = size.largest_layer
+        unit = size.largest_unit
         ahead = max(unit, (budget // unit) * unit)
         return min(size.numel, unit + ahead)
     threshold = zero.param_persistence_threshold
@@ -338,17 +349,22 @@ def estimate(
     """Model-state bytes per GPU and per node for one stage and offload option.
 
     Ours (``gpu_*``, ``cpu``, ``nvme``), per rank with Ψ parameters and N ranks, from
-    :func:`lightning_ampzero.memory.zero_formula` (p, g = bytes of parameters and gradients,
-    K = optimizer states + master copy):
+    :func:`lightning_ampzero.memory.zero_formula` in this project's layout (see :data:`PRECISIONS`:
+    fp32 master parameters, fp32 gradients and states; c = bytes of the compute copy, u = of an
+    unsharded gradient, S = optimizer states, 8 for Adam):
 
-    * stage 0 adds DDP's gradient buckets (another gΨ: DDP copies gradients into flat buckets);
-      stage 2 adds one unit's unsharded gradient (g·U, before its reduce-scatter); stage 3 adds
-      the gathered working set (p·(units in use + prefetched + persistent)) and g·U.
+    * stage 0: 4Ψ + 4Ψ + SΨ, plus DDP's gradient buckets (4Ψ: DDP copies gradients into flat
+      buckets) and, for "-true", the 16-bit copy cast in forward (cΨ);
+    * stages 1-2: the gathered copy cΨ, gradients uΨ (stage 1, accumulated) or 4Ψ/N (stage 2,
+      plus one unit's unsharded gradient u·U before its reduce-scatter), (S + 4)Ψ/N optimizer
+      states and the fp32 shard;
+    * stage 3: (4 + 4 + S)Ψ/N, plus the gathered working set c·(unit in use + prefetched units +
+      persistent units) and u·U.
     * ``optimizer=cpu``: the optimizer column leaves the GPU; the host holds per rank the states,
       an fp32 master copy and the fp32 gradient shard the CPU optimizer steps with
-      ((states + 2·master)·Ψ/N: 16Ψ/N for Adam, DeepSpeed's 16).
-    * ``params+optimizer=cpu`` (stage 3): the GPU keeps only the working set; the host also
-      holds the parameter shard (p·Ψ/N, unless it is the fp32 master itself).
+      ((S + 8)·Ψ/N: 16Ψ/N for Adam, DeepSpeed's 16).
+    * ``params+optimizer=cpu`` (stage 3): the GPU keeps only the working set; the fp32 shard on
+      the host is the master itself (DeepSpeed keeps a 16-bit shard there too: its 18).
     * ``nvme``: what ``cpu`` puts in host memory goes to NVMe, except the gradient shard.
     * ``zero_init=False``: the model is built whole on the CPU of every process before sharding
       (built in ``__init__`` rather than ``configure_model()``, where Lightning builds it on the
@@ -366,38 +382,34 @@ def estimate(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}.")
     zero = zero or ZeroConfig()
-    p, g, m, s1 = PRECISIONS[precision]
-    s = OPTIMIZERS[optimizer] * s1
+    copy, unsharded = PRECISIONS[precision]
+    states = OPTIMIZERS[optimizer] * FP32
     psi, n_ranks = size.numel, gpus_per_node * nodes
-    base = zero_formula(psi, n_ranks, stage, param_bytes=p, grad_bytes=g, state_bytes=s, master_bytes=m)
     unit = size.largest_unit
-
-    working = 0
     if stage == 0:
-        working = g * psi
-    elif stage == 2:
-        working = g * unit
-    elif stage == 3:
-        working = p * _stage3_gathered(size, zero) + g * unit
+        base = zero_formula(psi, n_ranks, 0, state_bytes=states)
+        working = FP32 * psi + (copy * psi if copy != FP32 else 0)
+    elif stage in (1, 2):
+        base = zero_formula(psi, n_ranks, stage, param_bytes=copy, grad_bytes=unsharded if stage == 1 else FP32,
+                            state_bytes=states)
+        working = unsharded * unit if stage == 2 else 0
+    else:
+        base = zero_formula(psi, n_ranks, 3, state_bytes=states)
+        working = copy * _stage3_gathered(size, zero) + unsharded * unit
 
     shard = psi // n_ranks
     gpu_params, gpu_grads, gpu_opt = base.params, base.grads, base.optimizer
-    host_opt = (s + 2 * m) * shard  # states + master + fp32 gradient shard for the CPU step
-    host_params = p * shard if p != m else 0  # an fp32 shard is the master already
+    host = (states + 2 * FP32) * shard  # states + fp32 master + fp32 gradient shard for the CPU step
     cpu_rank = nvme_rank = 0
     kind, _, device = offload.partition("=")
-    if kind == "optimizer":
+    if kind != "none":
         gpu_opt = 0
+        if kind == "params+optimizer":
+            gpu_params = gpu_grads = 0
         if device == "cpu":
-            cpu_rank = host_opt
+            cpu_rank = host
         else:
-            cpu_rank, nvme_rank = m * shard, host_opt - m * shard
-    elif kind == "params+optimizer":
-        gpu_params = gpu_grads = gpu_opt = 0
-        if device == "cpu":
-            cpu_rank = host_opt + host_params
-        else:
-            cpu_rank, nvme_rank = m * shard, host_opt - m * shard + p * shard
+            cpu_rank, nvme_rank = FP32 * shard, host - FP32 * shard
     # A model built outside configure_model() (no zero_init) exists whole, in fp32, on the CPU of
     # every process before it is moved and sharded; stage 3 refuses such a model (materialize.py).
     init_rank = 0 if zero_init or stage == 3 else 4 * psi
@@ -664,8 +676,22 @@ def gpt_activations(cfg: Any, micro_batch: int, seq_len: Optional[int] = None,
 # The planner
 # ---------------------------------------------------------------------------------------
 
-PLAN_ORDER = "fewest offloads (none < optimizer < params+optimizer; cpu before nvme), then lowest stage, then least recompute"
+PLAN_ORDER = ("fewest offloads (none < optimizer < params+optimizer; cpu before nvme), then lowest stage, then least"
+              " recompute; stages 0-2 count as one stage there, since they move the same bytes")
 _OFFLOAD_RANK = {o: i for i, o in enumerate(OFFLOADS)}
+
+
+def _preference(stage: int, offload: str, checkpointing: str) -> tuple[int, int, int, int]:
+    """Sort key of a candidate: smaller is faster.
+
+    [Note: plan order] Offloads first: each one moves state over PCIe (or to disk) every step,
+    which costs more than anything else here. Then communication: stages 0, 1 and 2 all move
+    2Ψ elements per rank per step (all-reduce = reduce-scatter + all-gather), stage 3 moves 3Ψ
+    (FACTS.md, ZeRO paper), so among stages 0-2 recompute is avoided first (a recomputed
+    forward costs about a third more compute, and hides nothing) and the stage breaks ties;
+    stage 3 comes after every stage 0-2 option, recompute included.
+    """
+    return (_OFFLOAD_RANK[offload], int(stage == 3), CHECKPOINTING.index(checkpointing), stage)
 
 
 @dataclass(frozen=True)
@@ -760,31 +786,28 @@ def plan(
         checkpointing = ("none",)
     gpu_budget = int(gpu_memory * (1 - gpu_headroom))
     cpu_budget = int(cpu_memory * (1 - cpu_headroom))
-    combos = sorted(valid_combinations(stages, offloads), key=lambda so: (_OFFLOAD_RANK[so[1]], so[0]))
+    combos = valid_combinations(stages, offloads)
     if not combos:
         raise ValueError(f"no valid (stage, offload) combination among stages {stages} and offloads {offloads}:"
                          " offload needs stage >= 1, parameter offload stage 3.")
     candidates = []
-    for stage, offload in combos:
-        states = estimate(size, stage, offload, **estimate_kwargs)
-        for ckpt in checkpointing:
-            act = activations.bytes(ckpt) if activations is not None else None
-            gpu = states.gpu + (act or 0)
-            reasons = []
-            if gpu > gpu_budget:
-                reasons.append(f"GPU needs {format_bytes(gpu)} > {format_bytes(gpu_budget)}")
-            if states.cpu > cpu_budget:
-                reasons.append(f"CPU needs {format_bytes(states.cpu)} per node > {format_bytes(cpu_budget)}")
-            if states.nvme:
-                if nvme_memory is None:
-                    reasons.append("NVMe offload needs --nvme-memory")
-                elif states.nvme > nvme_memory:
-                    reasons.append(f"NVMe needs {format_bytes(states.nvme)} per node > {format_bytes(nvme_memory)}")
-            candidates.append(Candidate(stage, offload, ckpt, states, act, gpu, states.cpu, states.nvme,
-                                        not reasons, tuple(reasons)))
+    states_of = {(stage, offload): estimate(size, stage, offload, **estimate_kwargs) for stage, offload in combos}
+    order = sorted(((s, o, c) for s, o in combos for c in checkpointing), key=lambda soc: _preference(*soc))
+    for stage, offload, ckpt in order:
+        states = states_of[(stage, offload)]
+        act = activations.bytes(ckpt) if activations is not None else None
+        gpu = states.gpu + (act or 0)
+        reasons = []
+        if gpu > gpu_budget:
+            reasons.append(f"GPU needs {format_bytes(gpu)} > {format_bytes(gpu_budget)}")
+        if states.cpu > cpu_budget:
+            reasons.append(f"CPU needs {format_bytes(states.cpu)} per node > {format_bytes(cpu_budget)}")
+        if states.nvme:
+            if nvme_memory is None:
+                reasons.append("NVMe offload needs --nvme-memory")
+            elif states.nvme > nvme_memory:
+                reasons.append(f"NVMe needs {format_bytes(states.nvme)} per node > {format_bytes(nvme_memory)}")
+        candidates.append(Candidate(stage, offload, ckpt, states, act, gpu, states.cpu, states.nvme,
+                                    not reasons, tuple(reasons)))
     return Plan(tuple(candidates), gpu_budget, cpu_budget, nvme_memory, activations is not None)
 
-
-def with_zero(zero: Optional[ZeroConfig], stage: int) -> ZeroConfig:
-    """``zero`` (or the defaults) at ``stage``: the config a planned candidate runs with."""
-    return replace(zero or ZeroConfig(), stage=stage)

@@ -81,7 +81,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
 
     sys.argv = [sys.argv[0], *args]
     entry = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=CONFIG_NAME)(run_job)
-    return entry()
+    entry()
+    return None  # the console script passes this to sys.exit
 
 
 def _parse_hydra_args(args: Sequence[str]) -> Any:
@@ -142,7 +143,8 @@ def compose(overrides: Sequence[str] = (), *, config_dir: Optional[str] = None, 
     overrides = list(overrides)
     if config_dir is not None:
         overrides.append(f"hydra.searchpath=[file://{Path(config_dir).resolve()}]")
-    primary = Path(config_path).resolve() if config_path else conf_dir()
+    # Hydra reads a relative --config-path against the file that declares the app (this one).
+    primary = (Path(__file__).parent / config_path).resolve() if config_path else conf_dir()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(primary), version_base="1.3", job_name="train"):
@@ -301,7 +303,10 @@ def launch_local(app: TrainAppConfig, job_dir: Path, nprocs: int) -> dict[str, A
     spec.write_text(json.dumps({"config": app.to_dict(), "job_dir": str(job_dir)}, indent=1))
     (job_dir / SUMMARY_FILE).unlink(missing_ok=True)
     threads = app.run.threads_per_process or max(1, (os.cpu_count() or 1) // nprocs)
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    # The workers' environment is Lightning's own (LightningEnvironment, LOCAL_RANK set): drop what
+    # would make Lightning detect another cluster environment (TorchElastic, a one-task SLURM job).
+    hidden = ("RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE")
+    base = {k: v for k, v in os.environ.items() if k not in hidden}
     base.update(
         MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
         MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()),
@@ -423,8 +428,16 @@ def train(app: TrainAppConfig, job_dir: Path) -> Optional[dict[str, Any]]:
         torch.set_num_threads(threads)
     _quiet_known_warnings()
     pl.seed_everything(app.seed, workers=True, verbose=False)
+    from lightning_ampzero.callbacks import MemoryReport
+    from lightning_ampzero.estimate import gpt_activations
+
     summary_cb = SummaryCallback(app, job_dir)
-    callbacks: list[Any] = [summary_cb]
+    memory = MemoryReport(
+        log_every_n_steps=50, print_table=False,
+        activation_estimate=gpt_activations(app.model, app.data.batch_size, app.data.block_size,
+                                            precision=app.precision.precision or "32-true"),
+    )
+    callbacks: list[Any] = [summary_cb, memory]
     if app.trainer.enable_progress_bar:
         from lightning.pytorch.callbacks import RichProgressBar
 
@@ -463,6 +476,7 @@ def train(app: TrainAppConfig, job_dir: Path) -> Optional[dict[str, Any]]:
     if not trainer.is_global_zero:
         return None
     summary = summary_cb.summary
+    summary["memory"] = memory.report
     summary["checkpoint"] = str(final_ckpt) if final_ckpt else None
     summary["logs"] = str(Path(logger.log_dir)) if logger else None
     summary["job_dir"] = str(job_dir)
@@ -477,4 +491,4 @@ def print_summary(summary: dict[str, Any], console: Any = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    sys.exit(main())

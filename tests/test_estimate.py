@@ -44,20 +44,20 @@ SIZE = ModelSize(PSI, L)
 NO_PREFETCH = ZeroConfig(prefetch_bucket_size=0)  # FSDP2's one-unit lookahead
 
 
-def _est(stage, offload="none", precision="bf16-mixed", **kw):
+def _est(stage, offload="none", precision="32-true", **kw):
     kw.setdefault("zero", NO_PREFETCH)
     return estimate(SIZE, stage, offload, gpus_per_node=N, precision=precision, **kw)
 
 
 @pytest.mark.parametrize("stage, params, grads, optimizer, working", [
-    # ZeRO paper, mixed precision (2 + 2 + K, K = 12):  baseline (2+2+K)Ψ, + DDP's bucket copy 2Ψ
-    (0, 2 * PSI, 2 * PSI, 12 * PSI, 2 * PSI),
-    # stage 1: 2Ψ + 2Ψ + KΨ/N
-    (1, 2 * PSI, 2 * PSI, 12 * PSI // N, 0),
-    # stage 2: 2Ψ + (2+K)Ψ/N, + one unit's unsharded gradient 2L
-    (2, 2 * PSI, 2 * PSI // N, 12 * PSI // N, 2 * L),
-    # stage 3: (2+2+K)Ψ/N, + gathered unit and the prefetched one 2·2L, + unsharded gradient 2L
-    (3, 2 * PSI // N, 2 * PSI // N, 12 * PSI // N, 2 * 2 * L + 2 * L),
+    # fp32 AdamW, memory.py's table: 4Ψ + 4Ψ + 8Ψ, + DDP's bucket copy of the gradients 4Ψ
+    (0, 4 * PSI, 4 * PSI, 8 * PSI, 4 * PSI),
+    # stage 1: gathered 4Ψ, accumulated gradients 4Ψ, (8 states + 4 fp32 shard)Ψ/N
+    (1, 4 * PSI, 4 * PSI, 12 * PSI // N, 0),
+    # stage 2: gradients 4Ψ/N, + one unit's unsharded gradient 4L
+    (2, 4 * PSI, 4 * PSI // N, 12 * PSI // N, 4 * L),
+    # stage 3: (4+4+8)Ψ/N, + the unit in use and the prefetched one 4·2L, + unsharded gradient 4L
+    (3, 4 * PSI // N, 4 * PSI // N, 8 * PSI // N, 4 * 2 * L + 4 * L),
 ])
 def test_zero_stage_formulas(stage, params, grads, optimizer, working):
     e = _est(stage)
@@ -65,23 +65,34 @@ def test_zero_stage_formulas(stage, params, grads, optimizer, working):
     assert e.gpu == params + grads + optimizer + working
     assert e.cpu == 0 and e.nvme == 0  # built on the device (zero_init), nothing offloaded
     # the persistent part is memory.py's formula, which the memory tests check against storages
-    base = zero_formula(PSI, N, stage, param_bytes=2, grad_bytes=2, state_bytes=8, master_bytes=4)
+    base = zero_formula(PSI, N, stage)
     assert (e.gpu_params, e.gpu_grads, e.gpu_optimizer) == (base.params, base.grads, base.optimizer)
+    # "-mixed" keeps fp32 parameters (autocast casts per op): the same model states
+    assert _est(stage, precision="bf16-mixed") == e
 
 
-def test_fp32_and_16bit_and_sgd_bytes():
-    # fp32 Adam, stage 3: 4 + 4 + 8 per parameter, the fp32 shard is the master (no copy)
-    e = _est(3, precision="32-true")
-    assert (e.gpu_params, e.gpu_grads, e.gpu_optimizer) == (4 * PSI // N, 4 * PSI // N, 8 * PSI // N)
-    # fp32, stage 1: the gathered copy and the fp32 shard are both kept (memory.py's table)
-    e = _est(1, precision="32-true")
-    assert (e.gpu_params, e.gpu_grads, e.gpu_optimizer) == (4 * PSI, 4 * PSI, 12 * PSI // N)
-    # all 16-bit: states in 16 bits, no master copy
-    e = _est(0, precision="bf16-true")
-    assert (e.gpu_params, e.gpu_grads, e.gpu_optimizer) == (2 * PSI, 2 * PSI, 4 * PSI)
-    # plain SGD has no state: only the fp32 master copy is left in the optimizer column
-    e = _est(2, optimizer="sgd")
-    assert e.gpu_optimizer == 4 * PSI // N
+@pytest.mark.parametrize("stage, params, grads, optimizer, working", [
+    # "-true": fp32 master, fp32 .grad and states as above, but a 16-bit compute copy:
+    # stage 0 casts one in forward (2Ψ, beside DDP's 4Ψ buckets)
+    (0, 4 * PSI, 4 * PSI, 8 * PSI, 4 * PSI + 2 * PSI),
+    # stage 1: gathered in 16 bits (2Ψ), gradients accumulate unsharded in 16 bits (2Ψ)
+    (1, 2 * PSI, 2 * PSI, 12 * PSI // N, 0),
+    # stage 2: the reduce-scattered gradient lands in the fp32 shard (4Ψ/N); the unit's unsharded one is 16-bit
+    (2, 2 * PSI, 4 * PSI // N, 12 * PSI // N, 2 * L),
+    # stage 3: fp32 shard, 16-bit working set 2·2L + 2L
+    (3, 4 * PSI // N, 4 * PSI // N, 8 * PSI // N, 2 * 2 * L + 2 * L),
+])
+def test_true_16bit_precision_formulas(stage, params, grads, optimizer, working):
+    e = _est(stage, precision="bf16-true")
+    assert (e.gpu_params, e.gpu_grads, e.gpu_optimizer, e.gpu_working) == (params, grads, optimizer, working)
+    assert _est(stage, precision="16-true") == e
+
+
+def test_optimizer_states():
+    # SGD has no state: only the fp32 shard is left in stage 2's optimizer column; momentum: one state
+    assert _est(2, optimizer="sgd").gpu_optimizer == 4 * PSI // N
+    assert _est(2, optimizer="sgd-momentum").gpu_optimizer == (4 + 4) * PSI // N
+    assert _est(0, optimizer="sgd-momentum").gpu_optimizer == 4 * PSI
 
 
 def test_stage3_working_set_follows_units_and_prefetch():
@@ -99,31 +110,35 @@ def test_stage3_working_set_follows_units_and_prefetch():
     assert working(prefetch_bucket_size=0, param_persistence_threshold=60_000) == 4 * 700_000 + 4 * 300_000
     # defaults (5e7 prefetch bucket): everything is gathered, never more than the model
     assert working() == 4 * PSI + 4 * 300_000
+    # counts only (--largest-unit): every unit that large, one prefetched
+    cold = ModelSize(PSI, L, unit=300_000)
+    assert estimate(cold, 3, zero=NO_PREFETCH).gpu_working == 4 * 600_000 + 4 * 300_000
+    assert estimate(cold, 2).gpu_working == 4 * 300_000  # stage 2: one unit's unsharded gradient
 
 
 @pytest.mark.parametrize("offload, gpu, cpu, nvme", [
-    # optimizer to CPU: states 8 + fp32 master 4 + fp32 gradient 4 = 16Ψ/N per rank, N ranks per node
-    ("optimizer=cpu", 2 * PSI // N * 2 + 6 * L, 16 * PSI, 0),
+    # optimizer to CPU: states 8 + fp32 master 4 + fp32 gradient 4 = 16Ψ/N per rank, N ranks per node;
+    # the GPU keeps the fp32 shard, the gradient shard and the working set
+    ("optimizer=cpu", 4 * PSI // N * 2 + 12 * L, 16 * PSI, 0),
     # NVMe: the gradient shard (4Ψ/N) stays in host memory, the rest goes to disk
-    ("optimizer=nvme", 2 * PSI // N * 2 + 6 * L, 4 * PSI, 12 * PSI),
-    # parameters too: 2 bytes of 16-bit shard on top (DeepSpeed's 18)
-    ("params+optimizer=cpu", 6 * L, 18 * PSI, 0),
-    ("params+optimizer=nvme", 6 * L, 4 * PSI, 14 * PSI),
+    ("optimizer=nvme", 4 * PSI // N * 2 + 12 * L, 4 * PSI, 12 * PSI),
+    # parameters too: the fp32 shard on the host is the master itself (DeepSpeed adds a 16-bit one: 18)
+    ("params+optimizer=cpu", 12 * L, 16 * PSI, 0),
+    ("params+optimizer=nvme", 12 * L, 4 * PSI, 12 * PSI),
 ])
 def test_offload_formulas(offload, gpu, cpu, nvme):
     e = _est(3, offload)
     assert (e.gpu, e.cpu, e.nvme) == (gpu, cpu, nvme)
 
 
-def test_offload_fp32_param_shard_is_the_master_and_zero_init():
-    e = _est(3, "params+optimizer=cpu", precision="32-true")
-    assert e.cpu == 16 * PSI  # 4 shard/master + 4 grad + 8 states: no second fp32 copy
-    # stage 2 optimizer offload keeps params + sharded grads (+ unit grad) on the GPU
+def test_offload_stage2_and_zero_init():
+    # stage 2 optimizer offload keeps the gathered params and sharded grads (+ a unit's) on the GPU
     e = _est(2, "optimizer=cpu")
-    assert (e.gpu, e.cpu) == (2 * PSI + 2 * PSI // N + 2 * L, 16 * PSI)
+    assert (e.gpu, e.cpu) == (4 * PSI + 4 * PSI // N + 4 * L, 16 * PSI)
     # a model built whole on every process's CPU first (no zero_init): 4Ψ fp32 per process
     assert _est(1, zero_init=False).cpu == N * 4 * PSI
     assert _est(3, zero_init=False).cpu == 0  # stage 3 always builds on the meta device
+    assert _est(1, "optimizer=nvme", zero_init=False).cpu == N * max(4 * PSI // N, 4 * PSI)
 
 
 def test_invalid_combinations_are_rejected():
@@ -329,38 +344,44 @@ def _act() -> ActivationTrace:
 
 
 def test_plan_choice_and_rejections():
-    kw = dict(gpus_per_node=N, zero=NO_PREFETCH, activations=_act(), precision="bf16-mixed")
-    # 6.0e6 per GPU: stage 0 (19e6 / 18.4e6), stage 1 (8e6 / 7.4e6) and stage 2 (6.7e6 / 6.1e6) do not fit;
-    # stage 3 without checkpointing does (4.6e6 + 1e6 = 5.6e6)
-    p = plan(SIZE, 6_000_000, 10**12, **kw)
+    # model states per GPU (fp32, N = 4): stage 0 20e6, 1 11e6, 2 8.4e6, 3 5.2e6; with optimizer=cpu
+    # stage 1 8e6, 2 5.4e6, 3 3.2e6; params+optimizer 1.2e6. Plus 1e6 / 0.4e6 of activations.
+    kw = dict(gpus_per_node=N, zero=NO_PREFETCH, activations=_act())
+    # 7e6 per GPU: stages 0-2 do not fit with or without recompute; stage 3 without it does (6.2e6)
+    p = plan(SIZE, 7_000_000, 10**12, **kw)
     c = p.choice
-    assert (c.stage, c.offload, c.checkpointing, c.gpu) == (3, "none", "none", 5_600_000)
+    assert (c.stage, c.offload, c.checkpointing, c.gpu) == (3, "none", "none", 6_200_000)
+    # stages 0-2 move the same bytes: all of them without recompute come before any with it
     assert [(r.stage, r.checkpointing) for r in p.rejected] == [
-        (0, "none"), (0, "full"), (1, "none"), (1, "full"), (2, "none"), (2, "full")]
-    assert p.rejected[-1].reasons == ("GPU needs 5.8 MiB > 5.7 MiB",)
-    # 6.2e6: stage 2 with full checkpointing (6.1e6) now fits, and wins over stage 3 (lower stage first)
-    c = plan(SIZE, 6_200_000, 10**12, **kw).choice
+        (0, "none"), (1, "none"), (2, "none"), (0, "full"), (1, "full"), (2, "full")]
+    assert p.rejected[-1].reasons == ("GPU needs 8.4 MiB > 6.7 MiB",)
+    # 11.5e6: stage 2 without recompute (9.4e6) beats stage 1 with it (11.4e6): same communication
+    c = plan(SIZE, 11_500_000, 10**12, **kw).choice
+    assert (c.stage, c.checkpointing) == (2, "none")
+    # 9e6: stage 2 with full checkpointing (8.8e6) fits, and wins over stage 3 (lower stage first)
+    c = plan(SIZE, 9_000_000, 10**12, **kw).choice
     assert (c.stage, c.checkpointing) == (2, "full")
-    # headroom counts: 10% of 6.2e6 kept free leaves 5.58e6, below stage 3 without checkpointing
-    c = plan(SIZE, 6_200_000, 10**12, gpu_headroom=0.1, **kw).choice
-    assert (c.stage, c.checkpointing) == (3, "full")
-    # 2e6 per GPU: only offloading fits; optimizer=cpu (stage 3: 1.6e6 + 0.4e6) needs 16e6 CPU per node
-    p = plan(SIZE, 2_000_000, 20_000_000, **kw)
+    # headroom counts: 6.5e6 fits stage 3 without recompute (6.2e6), 10% kept free (5.85e6) does not
+    assert plan(SIZE, 6_500_000, 10**12, **kw).choice.checkpointing == "none"
+    c = plan(SIZE, 6_500_000, 10**12, gpu_headroom=0.1, **kw).choice
+    assert (c.stage, c.checkpointing, p.gpu_budget) == (3, "full", 7_000_000)
+    # 4e6 per GPU: only offloading fits; optimizer=cpu at stage 3 (3.2e6 + 0.4e6) needs 16e6 CPU per node
+    p = plan(SIZE, 4_000_000, 20_000_000, **kw)
     assert (p.choice.stage, p.choice.offload, p.choice.checkpointing) == (3, "optimizer=cpu", "full")
-    # with 15e6 CPU neither optimizer=cpu (16e6) nor params+optimizer=cpu (18e6) fits, and NVMe needs a budget
-    p = plan(SIZE, 2_000_000, 15_000_000, **kw)
+    # with 15e6 CPU neither optimizer=cpu nor params+optimizer=cpu (16e6) fits, and NVMe needs a budget
+    p = plan(SIZE, 4_000_000, 15_000_000, **kw)
     assert p.choice is None and len(p.rejected) == len(p.candidates)
     reasons = {r for c in p.rejected for r in c.reasons}
     assert "CPU needs 15.3 MiB per node > 14.3 MiB" in reasons and "NVMe offload needs --nvme-memory" in reasons
-    p = plan(SIZE, 2_000_000, 15_000_000, nvme_memory=10**9, **kw)
+    p = plan(SIZE, 4_000_000, 15_000_000, nvme_memory=10**9, **kw)
     assert (p.choice.stage, p.choice.offload, p.choice.checkpointing) == (3, "optimizer=nvme", "full")
     assert (p.choice.cpu, p.choice.nvme) == (4 * PSI, 12 * PSI)
-    # 1e6 per GPU: only the parameters offloaded too, with checkpointing (0.6e6 + 0.4e6)
-    p = plan(SIZE, 1_000_000, 5_000_000, nvme_memory=10**9, **kw)
+    # 2e6 per GPU: only the parameters offloaded too, with checkpointing (1.2e6 + 0.4e6)
+    p = plan(SIZE, 2_000_000, 5_000_000, nvme_memory=10**9, **kw)
     assert (p.choice.stage, p.choice.offload, p.choice.checkpointing) == (3, "params+optimizer=nvme", "full")
     # without an activation trace, activations count 0 and checkpointing is not searched
-    p = plan(SIZE, 6_000_000, 10**12, gpus_per_node=N, zero=NO_PREFETCH, precision="bf16-mixed")
-    assert (p.choice.stage, p.choice.checkpointing, p.choice.gpu) == (2, "none", 5_700_000)
+    p = plan(SIZE, 9_000_000, 10**12, gpus_per_node=N, zero=NO_PREFETCH)
+    assert (p.choice.stage, p.choice.checkpointing, p.choice.gpu) == (2, "none", 8_400_000)
     assert not p.activations_known and {c.checkpointing for c in p.candidates} == {"none"}
     with pytest.raises(ValueError, match="gpu_memory must be a positive"):
         plan(SIZE, 0, 10**9)
@@ -401,13 +422,13 @@ def test_cli_estimate_from_gpt(capsys):
 def test_cli_plan(capsys):
     base = ["plan", "--params", "1e6", "--largest-layer", "1e5", "--gpus-per-node", "4", "--zero", "prefetch_bucket_size=0",
             "--gpu-headroom", "0", "--cpu-headroom", "0", "--cpu-memory", "1TB"]
-    assert main(base + ["--gpu-memory", "6MB", "--json"]) == 0
+    assert main(base + ["--gpu-memory", "9MB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["choice"]["stage"], out["choice"]["offload"]) == (2, "none")  # 5.7e6 (no activations given)
+    assert (out["choice"]["stage"], out["choice"]["offload"]) == (2, "none")  # 8.4e6 (no activations given)
     assert out["activations_known"] is False
-    assert main(base + ["--gpu-memory", "6MB"]) == 0
+    assert main(base + ["--gpu-memory", "9MB"]) == 0
     table = capsys.readouterr().out
-    assert "CHOSEN" in table and "rejected: GPU needs 6.7 MiB > 5.7 MiB" in table
+    assert "CHOSEN" in table and "rejected: GPU needs 10.5 MiB > 8.6 MiB" in table
     assert main(base + ["--gpu-memory", "100KB", "--stages", "1,2"]) == 1  # nothing fits
     assert "Nothing fits" in capsys.readouterr().out
 
@@ -418,6 +439,7 @@ def test_cli_plan(capsys):
     (["--params", "1e6", "--largest-layer", "1e7"], "cannot exceed the whole model"),
     (["--params", "1e6", "--largest-layer", "1e5", "--model", "gpt"], "either as counts"),
     ([], "either as counts"),
+    (["--model", "gpt", "--largest-layer", "1e5"], "--largest-layer / --largest-unit go with --params"),
     (["--params", "1e6", "--largest-layer", "1e5", "--zero", "prefetch_bucket=0"], "Did you mean 'prefetch_bucket_size'"),
     (["--params", "1e6", "--largest-layer", "1e5", "--precision", "fp8"], "invalid choice: 'fp8'"),
     (["--model", "gpt", "--n-embd", "100", "--n-head", "3"], "must be divisible by model.n_head=3"),

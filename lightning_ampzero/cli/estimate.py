@@ -207,10 +207,11 @@ def _model(args: argparse.Namespace, p: argparse.ArgumentParser, zero: ZeroConfi
             if args.largest_layer is None:
                 p.error("--params needs --largest-layer (parameters of the biggest single layer, e.g. the embedding"
                         " or an MLP projection): ZeRO-3 gathers a whole layer at a time.")
-            units = (args.largest_unit,) if args.largest_unit else ()
-            size = ModelSize(args.params, args.largest_layer, units=units,
-                             description=f"{format_count(args.params)} parameters (given)")
+            size = ModelSize(args.params, args.largest_layer, unit=args.largest_unit or 0,
+                             description=f"{format_count(args.params)} model (given counts)")
             return size, None
+        if args.largest_layer is not None or args.largest_unit is not None:
+            p.error("--largest-layer / --largest-unit go with --params; --model finds them in the model.")
         from lightning_ampzero.models.gpt import GPTConfig
 
         cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
@@ -233,7 +234,7 @@ def _console() -> Any:
 
 def _header(size: ModelSize, args: argparse.Namespace) -> str:
     n = args.gpus_per_node * args.nodes
-    unit = f", largest unit {size.largest_unit:,}" if size.units else ""
+    unit = f", largest unit {size.largest_unit:,}" if size.units or size.unit else ""
     return (f"{size.description}: {size.numel:,} parameters, largest layer {size.largest_layer:,}{unit}; "
             f"{args.nodes} node(s) x {args.gpus_per_node} GPU(s) = {n} rank(s); {args.precision}, {args.optimizer}")
 

@@ -24,19 +24,37 @@ from lightning_ampzero.strategy import AmpZeroStrategy
 from parity import PatternData
 
 
+REDUCE_SCATTERS = {"n": 0}
+
+
+def _count_reduce_scatters() -> None:
+    """Count FSDP2's gradient reduce-scatters (torch 2.13 calls dist.reduce_scatter_single)."""
+    original = dist.reduce_scatter_single
+
+    def counted(*a, **kw):
+        REDUCE_SCATTERS["n"] += 1
+        return original(*a, **kw)
+
+    dist.reduce_scatter_single = counted
+
+
 class Measured(GPTModule):
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.peak = PeakModelState()
+        self.reduce_scatters: list[int] = []  # per micro-batch backward
+        self._before = 0
+
+    def on_before_backward(self, loss):
+        self._sample()
+        self._before = REDUCE_SCATTERS["n"]
 
     def _sample(self) -> None:
         self.peak.sample(self, self.trainer.optimizers)
 
-    def on_before_backward(self, loss):
-        self._sample()
-
     def on_after_backward(self):
         self._sample()
+        self.reduce_scatters.append(REDUCE_SCATTERS["n"] - self._before)
 
     def on_train_batch_end(self, *args):
         self._sample()
@@ -58,7 +76,7 @@ def run(stage: int, args: argparse.Namespace) -> dict:
     dist.all_reduce(spread, op=dist.ReduceOp.MIN)
     keys = sorted(model.peak.peak)
     return {"numel": numel, "world_size": trainer.world_size, "max": dict(zip(keys, peaks.tolist())),
-            "min": dict(zip(keys, spread.tolist()))}
+            "min": dict(zip(keys, spread.tolist())), "reduce_scatters": model.reduce_scatters}
 
 
 def main() -> None:
@@ -68,6 +86,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     warnings.filterwarnings("ignore")
+    _count_reduce_scatters()
     results = {s: run(int(s), args) for s in args.stages.split(",")}
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:

@@ -1,0 +1,259 @@
+"""``apply_activation_checkpointing(model, cfg)``: ZeRO-R activation checkpointing, in place.
+
+Which modules: the same blocks the partitioner uses (``zero.units.find_blocks``: the classes
+named in ``cfg.modules``, or automatically the repeated blocks, e.g. transformer blocks), of
+which ``every_n`` / ``number_checkpoints`` choose a subset. Each chosen block's ``forward`` is
+replaced by an instance attribute that runs the original forward under non-reentrant
+``torch.utils.checkpoint``; module classes, names and state-dict keys do not change, so
+partitioning, checkpoints and ``zero.wrap_modules`` see the same model as without it.
+
+[Note: AC inside FSDP2] Checkpointing is applied before partitioning (strategy.py's transform
+order): FSDP2's hooks run in ``Module.__call__``, around the checkpointed ``forward``. In
+forward, the unit is all-gathered before the checkpoint runs; in backward, FSDP2's pre-backward
+hook (on the block's outputs) all-gathers it again before autograd reaches the checkpoint's
+saved tensors, which is when the recomputation runs. So recomputation always finds the full
+parameters, and under stage 3 they are not kept between forward and backward.
+
+Recipes:
+
+* ``full``: nothing inside a checkpointed block is kept; backward re-runs its forward.
+* ``selective``: inside a block, the outputs of matrix multiplications and attention are kept
+  (:data:`SAVE_OPS`, the expensive FLOPs), everything else (norms, activations, adds, views) is
+  recomputed: most of the memory of ``full`` at almost none of its recompute FLOPs.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from lightning_ampzero.activation.saved import BufferPool, SavedInputsHooks
+from lightning_ampzero.config import ActivationCheckpointingConfig
+from lightning_ampzero.zero.units import find_blocks
+
+
+def _aten_ops(*names: str) -> frozenset:
+    ops = []
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            ops.append(packet.default)
+    return frozenset(ops)
+
+
+#: Ops whose outputs the ``selective`` recipe keeps (everything else in a block is recomputed).
+SAVE_OPS = _aten_ops(
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+)
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context() -> Any:
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def select_blocks(n: int, every_n: int, number_checkpoints: Optional[int]) -> list[int]:
+    """Indices of the blocks to checkpoint among ``n``: every ``every_n``-th from the first, or
+    ``number_checkpoints`` of them spread evenly (the first always included)."""
+    if n == 0:
+        return []
+    if number_checkpoints is not None:
+        k = min(int(number_checkpoints), n)
+        return sorted({(i * n) // k for i in range(k)})
+    return list(range(0, n, int(every_n)))
+
+
+@dataclass
+class BlockProfile:
+    forward_calls: int = 0
+    forward_s: float = 0.0
+    recompute_calls: int = 0
+    recompute_s: float = 0.0
+
+
+def _synchronize(device: Optional[torch.device]) -> bool:
+    if device is None or device.type in ("cpu", "meta"):
+        return False  # host compute is synchronous: nothing to wait for
+    module = getattr(torch, device.type, None)
+    if module is not None and hasattr(module, "synchronize"):
+        module.synchronize(device)
+        return True
+    return False
+
+
+def _device_of(args: tuple, kwargs: dict) -> Optional[torch.device]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
+
+
+class _CheckpointedForward:
+    """The replacement ``forward`` of a checkpointed block."""
+
+    def __init__(self, owner: "ActivationCheckpointing", name: str, original: Callable) -> None:
+        self.owner, self.name, self.original = owner, name, original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self.owner
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)  # evaluation: nothing is saved, nothing to checkpoint
+        cfg = owner.config
+        device = _device_of(args, kwargs)
+        if cfg.synchronize_checkpoint_boundary:
+            owner.boundaries += 1
+            _synchronize(device)
+        start = owner._clock(device) if cfg.profile else 0.0
+        with owner.saved_inputs_context():
+            out = checkpoint(self._run, *args, use_reentrant=False, context_fn=owner.context_fn, **kwargs)
+        if cfg.synchronize_checkpoint_boundary:
+            _synchronize(device)
+        if cfg.profile:
+            p = owner.profile[self.name]
+            p.forward_calls += 1
+            p.forward_s += owner._clock(device) - start
+        return out
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        # A call while autograd runs a backward graph is the recomputation.
+        if not self.owner.config.profile or torch._C._current_graph_task_id() == -1:
+            return self.original(*args, **kwargs)
+        device = _device_of(args, kwargs)
+        start = self.owner._clock(device)
+        try:
+            return self.original(*args, **kwargs)
+        finally:  # also when recomputation stops early (it raises once it has what it needs)
+            p = self.owner.profile[self.name]
+            p.recompute_calls += 1
+            p.recompute_s += self.owner._clock(device) - start
+
+
+class ActivationCheckpointing:
+    """What :func:`apply_activation_checkpointing` did to a model. With ``mode="none"`` it did
+    nothing and this object is inert (``blocks`` is empty)."""
+
+    def __init__(self, config: ActivationCheckpointingConfig) -> None:
+        self.config = config
+        self.blocks: list[str] = []
+        self.candidates: list[str] = []
+        self.pool: Optional[BufferPool] = None
+        self.hooks: Optional[SavedInputsHooks] = None
+        self.profile: dict[str, BlockProfile] = {}
+        self.boundaries = 0
+        self.context_fn: Callable = _selective_context if config.mode == "selective" else _noop_context
+        self._patched: list[tuple[nn.Module, Any]] = []
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.blocks)
+
+    def saved_inputs_context(self) -> Any:
+        return self.hooks.context() if self.hooks is not None else nullcontext()
+
+    def _clock(self, device: Optional[torch.device]) -> float:
+        _synchronize(device)  # profiling times device work, so it waits for it
+        return time.perf_counter()
+
+    def profile_summary(self) -> dict[str, dict[str, float]]:
+        """Per checkpointed block: forward and recompute calls and mean seconds."""
+        out = {}
+        for name, p in self.profile.items():
+            out[name] = {
+                "forward_calls": p.forward_calls,
+                "forward_ms": 1e3 * p.forward_s / max(p.forward_calls, 1),
+                "recompute_calls": p.recompute_calls,
+                "recompute_ms": 1e3 * p.recompute_s / max(p.recompute_calls, 1),
+            }
+        return out
+
+    def report(self) -> str:
+        rows = [f"{'block':<24} {'fwd calls':>9} {'fwd ms':>9} {'recomp calls':>12} {'recomp ms':>9}"]
+        for name, s in self.profile_summary().items():
+            rows.append(f"{name:<24} {s['forward_calls']:>9} {s['forward_ms']:>9.3f} {s['recompute_calls']:>12}"
+                        f" {s['recompute_ms']:>9.3f}")
+        return "\n".join(rows)
+
+    def remove(self) -> None:
+        """Undo :func:`apply_activation_checkpointing` (restore every patched ``forward``)."""
+        for module, previous in self._patched:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+        self._patched.clear()
+        self.blocks.clear()
+
+
+def _noop_context() -> tuple[Any, Any]:
+    return nullcontext(), nullcontext()
+
+
+def apply_activation_checkpointing(
+    model: nn.Module,
+    config: ActivationCheckpointingConfig,
+    *,
+    mesh: Any = None,
+    warn: Callable[[str], None] = None,  # type: ignore[assignment]
+) -> ActivationCheckpointing:
+    """Checkpoint the blocks of ``model`` chosen by ``config``, in place; returns what was done.
+
+    Args:
+        model: the module to transform (before partitioning, see [Note: AC inside FSDP2]).
+        config: the :class:`~lightning_ampzero.config.ActivationCheckpointingConfig`.
+        mesh: the device mesh, to decide whether ``partition_activations`` can do anything.
+        warn: how to warn (the strategy passes a rank-zero warning); defaults to ``warnings.warn``.
+    """
+    handle = ActivationCheckpointing(config)
+    if config.mode == "none":
+        return handle
+    if warn is None:
+        import warnings
+
+        warn = functools.partial(warnings.warn, stacklevel=3)
+    if config.partition_activations:
+        dims = tuple(getattr(mesh, "mesh_dim_names", None) or ("dp",))
+        # [Note: partition_activations] DeepSpeed splits each checkpoint across the *model*
+        # (tensor) parallel group, whose ranks hold the same activations. Data-parallel ranks hold
+        # activations of different samples: there is no copy to split, so the option saves nothing.
+        warn(
+            f"activation_checkpointing.partition_activations=True has no effect: the device mesh {dims} is pure data"
+            " parallel, and data-parallel ranks hold activations of different samples, so there is no replicated"
+            " checkpoint to split across them (DeepSpeed partitions across the tensor-parallel group only)."
+            " To take checkpoints off the accelerator use cpu_checkpointing=True."
+        )
+    blocks = find_blocks(model, config.modules)
+    if not blocks:
+        raise ValueError(
+            "activation_checkpointing found no block to checkpoint: the model has no repeated block (a class"
+            " occurring at least twice in a ModuleList/Sequential). Name the block classes in"
+            " activation_checkpointing.modules."
+        )
+    chosen = select_blocks(len(blocks), config.every_n, config.number_checkpoints)
+    handle.candidates = [name for name, _ in blocks]
+    if config.cpu_checkpointing or config.contiguous_memory_optimization:
+        if config.contiguous_memory_optimization:
+            handle.pool = BufferPool(capacity=len(chosen))
+        handle.hooks = SavedInputsHooks(cpu=config.cpu_checkpointing, pool=handle.pool)
+    for i in chosen:
+        name, module = blocks[i]
+        current = module.__dict__.get("forward")
+        if isinstance(current, _CheckpointedForward):
+            raise ValueError(f"module {name!r} is already activation-checkpointed.")
+        module.forward = _CheckpointedForward(handle, name, module.forward)
+        handle._patched.append((module, current))
+        handle.blocks.append(name)
+        if config.profile:
+            handle.profile[name] = BlockProfile()
+    return handle

@@ -1,0 +1,158 @@
+"""Triton kernels for the memory-bound parts of FP8 training on CUDA (compute capability 8.9+).
+
+Not executed on CPU (Triton has no CPU backend, and the interpreter gives wrong FP8 results);
+``tests/test_fp8_kernels.py`` compiles every kernel for sm_90 ahead of time, and the GPU test
+in the same file compares them with the torch path when a GPU is present.
+
+Each kernel reads the high-precision tensor once: the amax and the cast are fused
+(``_cast_kernel`` with ``WITH_AMAX``: the delayed recipe's cast-and-record), the cast and the
+transpose are fused (``_cast_transpose_kernel``: both GEMM layouts of a gradient from one
+read), and row-wise scaling computes each row's amax and casts it in one program.
+
+[Note: FP8 cast numerics] ``x * scale`` is an fp32 multiply (no add follows it, so no FMA
+contraction can change its rounding), clamped to the format's max, then converted with
+``cvt.rn.satfinite`` (round to nearest even, saturating): exactly the torch path's
+``(x.float() * scale).clamp(-max, max).to(fp8)``. Scales are computed by torch on both paths.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_ampzero.fp8.kernels._torch import EPS, FP8_MAX
+
+_BLOCK = 4096
+_TILE = 64
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
+
+
+@triton.jit
+def _cast_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, n, FP8_MAX: tl.constexpr, WITH_AMAX: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(scale_ptr)
+    y = tl.clamp(x * s, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    if WITH_AMAX:
+        tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
+
+
+@triton.jit
+def _cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, N, stride_m, stride_n,
+                           FP8_MAX: tl.constexpr, WITH_AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    x = tl.load(x_ptr + rm[:, None] * stride_m + rn[None, :] * stride_n, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(scale_ptr)
+    y = tl.clamp(x * s, -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(q_ptr + rm[:, None] * N + rn[None, :], y, mask=mask)
+    tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(y), mask=tl.trans(mask))
+    if WITH_AMAX:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+
+
+@triton.jit
+def _rowwise_cast_kernel(x_ptr, q_ptr, scale_ptr, M, N, sx_m, sx_n, sq_m, sq_n, FP8_MAX: tl.constexpr,
+                         EPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    # One program per BM rows: pass 1 finds each row's amax, pass 2 casts (the rows stay in L2).
+    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    row_mask = rm < M
+    amax = tl.zeros([BM], dtype=tl.float32)
+    for start in range(0, N, BN):
+        rn = start + tl.arange(0, BN)
+        mask = row_mask[:, None] & (rn[None, :] < N)
+        x = tl.load(x_ptr + rm[:, None] * sx_m + rn[None, :] * sx_n, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    scale = FP8_MAX / tl.maximum(amax, EPS)
+    tl.store(scale_ptr + rm, scale, mask=row_mask)
+    for start in range(0, N, BN):
+        rn = start + tl.arange(0, BN)
+        mask = row_mask[:, None] & (rn[None, :] < N)
+        x = tl.load(x_ptr + rm[:, None] * sx_m + rn[None, :] * sx_n, mask=mask, other=0.0).to(tl.float32)
+        y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + rm[:, None] * sq_m + rn[None, :] * sq_n,
+                 y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+def amax(x: Tensor) -> Tensor:
+    x = x.contiguous()
+    out = torch.zeros(1, dtype=torch.float32, device=x.device)
+    n = x.numel()
+    if n:
+        _amax_kernel[(triton.cdiv(n, _BLOCK),)](x, out, n, BLOCK=_BLOCK)
+    return out.reshape(())
+
+
+def cast(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Optional[Tensor] = None) -> Tensor:
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    n = x.numel()
+    if n:
+        scale = scale.float().reshape(1).contiguous()
+        _cast_kernel[(triton.cdiv(n, _BLOCK),)](
+            x, q, scale, amax_out if amax_out is not None else scale, n,
+            FP8_MAX=FP8_MAX[fp8_dtype], WITH_AMAX=amax_out is not None, BLOCK=_BLOCK,
+        )
+    return q
+
+
+def cast_transpose(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
+    m, n = x.shape
+    q = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
+    qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
+    if x.numel():
+        scale = scale.float().reshape(1).contiguous()
+        grid = (triton.cdiv(m, _TILE), triton.cdiv(n, _TILE))
+        _cast_transpose_kernel[grid](
+            x, q, qt, scale, amax_out if amax_out is not None else scale, m, n, x.stride(0), x.stride(1),
+            FP8_MAX=FP8_MAX[fp8_dtype], WITH_AMAX=amax_out is not None, BM=_TILE, BN=_TILE,
+        )
+    return q, qt
+
+
+def cast_rowwise(x: Tensor, fp8_dtype: torch.dtype, dim: int = -1) -> tuple[Tensor, Tensor]:
+    q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    if dim in (-1, 1):
+        src, dst = x, q
+    else:  # column-wise: the same kernel over the transposed views (strides only, no copy)
+        src, dst = x.t(), q.t()
+    rows, cols = src.shape
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if x.numel():
+        _rowwise_cast_kernel[(triton.cdiv(rows, 16),)](
+            src, dst, scale, rows, cols, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+            FP8_MAX=FP8_MAX[fp8_dtype], EPS=EPS, BM=16, BN=256,
+        )
+    return q, (scale.unsqueeze(1) if dim in (-1, 1) else scale.unsqueeze(0))
+
+
+#: (kernel, signature, constexprs) of every kernel, for ahead-of-time compilation checks.
+KERNEL_SIGNATURES = [
+    (_amax_kernel, {"x_ptr": "*bf16", "amax_ptr": "*fp32", "n": "i32"}, {"BLOCK": _BLOCK}),
+    (_cast_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "amax_ptr": "*fp32", "n": "i32"},
+     {"FP8_MAX": 448.0, "WITH_AMAX": True, "BLOCK": _BLOCK}),
+    (_cast_transpose_kernel, {"x_ptr": "*fp32", "q_ptr": "*fp8e5", "qt_ptr": "*fp8e5", "scale_ptr": "*fp32",
+                              "amax_ptr": "*fp32", "M": "i32", "N": "i32", "stride_m": "i32", "stride_n": "i32"},
+     {"FP8_MAX": 57344.0, "WITH_AMAX": True, "BM": _TILE, "BN": _TILE}),
+    (_rowwise_cast_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "M": "i32", "N": "i32",
+                            "sx_m": "i32", "sx_n": "i32", "sq_m": "i32", "sq_n": "i32"},
+     {"FP8_MAX": 448.0, "EPS": EPS, "BM": 16, "BN": 256}),
+]
