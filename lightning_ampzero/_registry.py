@@ -31,6 +31,19 @@ STRATEGY_VARIANTS = {
         "AmpZero ZeRO stage 3: optimizer states, gradients and parameters sharded, on FSDP2",
         {"stage": 3},
     ),
+    "ampzero_stage_2_offload": (
+        "AmpZero ZeRO-Offload, stage 2: fp32 master weights and Adam state in host memory, step on the CPU",
+        {"stage": 2, "offload_optimizer": "cpu"},
+    ),
+    "ampzero_stage_3_offload": (
+        "AmpZero ZeRO-Offload, stage 3: optimizer state and (on GPUs) parameter shards in host memory",
+        {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+    ),
+    "ampzero_stage_3_offload_nvme": (
+        "AmpZero ZeRO-Infinity, stage 3: optimizer state in files under nvme_path (default: under the Trainer's"
+        " default_root_dir), parameter shards (on GPUs) in host memory",
+        {"stage": 3, "offload_optimizer": "nvme", "offload_param": "cpu"},
+    ),
 }
 
 

@@ -309,6 +309,12 @@ class Fp8Config:
                 " only, so gradients cannot be E5M2. Use format='e4m3' (or leave it unset), or recipe='tensorwise'"
                 " / 'delayed' for E5M2 gradients."
             )
+        if self.recipe == "rowwise" and self.msamp != "none":
+            raise ValueError(
+                f"fp8.msamp={self.msamp!r} all-gathers weights in FP8 with one scale per tensor, which"
+                " recipe='rowwise' does not have (its backward needs the weight scaled along the other axis)."
+                " Use recipe='tensorwise' or 'delayed' with msamp, or msamp='none' with rowwise."
+            )
         if self.recipe != "delayed":
             defaults = {f.name: f.default for f in dataclasses.fields(self)}
             changed = [n for n in ("amax_history_len", "margin") if getattr(self, n) != defaults[n]]

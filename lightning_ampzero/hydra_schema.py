@@ -317,10 +317,13 @@ def register_configs() -> None:
         cs.store(group="schema", name=group, node=structured(types_[group]))
 
 
-def conf_dir() -> Path:
+def conf_dir(package_dir: Optional[Path] = None) -> Path:
     """The directory of the config groups: ``lightning_ampzero/conf`` in an installed wheel,
-    ``conf/`` at the repository root in a source checkout or editable install."""
-    here = Path(__file__).resolve().parent
+    ``conf/`` at the repository root in a source checkout or editable install.
+
+    ``package_dir`` (default: this package's directory) is where to look from.
+    """
+    here = Path(package_dir or Path(__file__).parent).resolve()
     for candidate in (here / "conf", here.parent / "conf"):
         if (candidate / "config.yaml").is_file():
             return candidate

@@ -2,11 +2,15 @@
 
 Order of transforms in :meth:`AmpZeroStrategy.setup` (each one a function of its own module):
 
-1. precision module conversion (``AmpZeroPrecision.convert_module``; FP8 swap later),
-2. activation checkpointing (not yet),
+1. precision module conversion (``AmpZeroPrecision.convert_module``), then the FP8 swap
+   (:func:`lightning_ampzero.fp8.convert_to_fp8`; a no-op unless ``fp8`` is configured),
+2. activation checkpointing (:func:`lightning_ampzero.activation.apply_activation_checkpointing`:
+   patches the chosen blocks' ``forward``; it must precede partitioning, see [Note: AC inside FSDP2]),
 3. partitioning: stage 0 wraps DDP; stages 1-3 call :func:`lightning_ampzero.zero.apply_zero`
-   bottom-up, then materialize parameters built on the meta device (stage 3),
-4. optimizers (created after sharding so they hold the shards),
+   bottom-up (with FSDP2's CPUOffloadPolicy for ``offload_param``), then materialize parameters
+   built on the meta device (stage 3),
+4. optimizers (created after sharding so they hold the shards), then optimizer offload
+   (:func:`lightning_ampzero.offload.setup.wrap_optimizers`: ``offload_optimizer`` cpu / nvme),
 5. precision plugin connection (loss scaler).
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import typing
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -39,11 +44,15 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_ampzero._schema import suggest
 from lightning_ampzero.checkpoint.sharded import load_sharded, save_sharded
-from lightning_ampzero.config import AmpZeroConfig, ZeroConfig
+from lightning_ampzero.activation import apply_activation_checkpointing
+from lightning_ampzero.config import ActivationCheckpointingConfig, AmpZeroConfig, OffloadConfig, ZeroConfig
+from lightning_ampzero.fp8 import convert_to_fp8, fp8_optimizers
+from lightning_ampzero.offload import setup as offload_setup
+from lightning_ampzero.offload.optimizer import is_offloaded
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
 from lightning_ampzero.zero.apply import apply_zero, fsdp_modules, no_sync
 from lightning_ampzero.zero.materialize import check_built_for_stage3, materialize_meta_
@@ -79,16 +88,29 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
         cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, precision=overrides.pop("precision")))
     top = {f.name for f in dataclasses.fields(AmpZeroConfig)}
     zero = {f.name for f in dataclasses.fields(ZeroConfig)}
+    offload = {f.name for f in dataclasses.fields(OffloadConfig)}  # [offload] flat: offload_optimizer="cpu", ...
     top_kw = {k: v for k, v in overrides.items() if k in top}
     zero_kw = {k: v for k, v in overrides.items() if k in zero}
-    unknown = [k for k in overrides if k not in top and k not in zero]
+    offload_kw = {k: v for k, v in overrides.items() if k in offload}
+    unknown = [k for k in overrides if k not in top and k not in zero and k not in offload]
     if unknown:
         raise TypeError(
-            f"AmpZeroStrategy got an unknown argument {unknown[0]!r}.{suggest(unknown[0], top | zero)}"
-            f" Arguments: config, {', '.join(sorted((top - {'zero'}) | zero))}."
+            f"AmpZeroStrategy got an unknown argument {unknown[0]!r}.{suggest(unknown[0], top | zero | offload)}"
+            f" Arguments: config, {', '.join(sorted((top - {'zero'}) | zero | offload))}."
         )
+    # A nested config may be given as a mapping (e.g. the registry's init params, a Hydra node), and
+    # activation_checkpointing as its mode ("full", "selective").
+    hints = typing.get_type_hints(AmpZeroConfig)
+    for name, value in list(top_kw.items()):
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(hints[name]):
+            top_kw[name] = hints[name].from_dict(value)
+        elif name == "activation_checkpointing" and isinstance(value, str):
+            top_kw[name] = ActivationCheckpointingConfig(mode=value)
+    # One replace, so that cross-field checks (AmpZeroConfig.__post_init__) see the final values.
     if zero_kw:
-        cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, **zero_kw))
+        top_kw["zero"] = dataclasses.replace(top_kw.get("zero", cfg.zero), **zero_kw)
+    if offload_kw:
+        top_kw["offload"] = dataclasses.replace(top_kw.get("offload", cfg.offload), **offload_kw)
     if top_kw:
         cfg = dataclasses.replace(cfg, **top_kw)
     return cfg, imported
@@ -130,6 +152,7 @@ class AmpZeroStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._device_mesh: Any = None
         self.units: list[Any] = []
+        self.activation_checkpointing: Any = None  # what apply_activation_checkpointing did (setup)
 
     # ---- configuration -------------------------------------------------------------------
     @property
@@ -237,6 +260,10 @@ class AmpZeroStrategy(ParallelStrategy):
             pass
         elif self.stage == 0:
             module = self.precision_plugin.convert_module(module)
+            # [fp8] after the precision conversion (it would cast the FP8 scaling buffers); DDP
+            # cannot broadcast the FP8 all-gather wrapper, and has no all-gather anyway.
+            module = convert_to_fp8(module, self.config.fp8, fp8_all_gather=False)
+            self._apply_activation_checkpointing(module)
             module.to(self.root_device)
             self.model = self._wrap_ddp(module)
             # [precision] DDP has no mixed-precision policy: the plugin adds "-true" compute copies
@@ -246,14 +273,19 @@ class AmpZeroStrategy(ParallelStrategy):
             if self.stage == 3:
                 check_built_for_stage3(module)
             module = self.precision_plugin.convert_module(module)
+            # [fp8] swap nn.Linear for Fp8Linear (on meta modules under stage 3), before sharding.
+            module = convert_to_fp8(module, self.config.fp8)
+            self._apply_activation_checkpointing(module)
+            # [offload] parameter shards in host memory (stage 3; on CPU a no-op, with a warning).
+            offload_policy = offload_setup.param_offload_policy(self.config.offload, self.root_device, rank_zero_warn)
             if not any(p.is_meta for p in module.parameters()):
                 module.to(self.root_device)
             # [precision] one FSDP2 policy for every unit, plus the modules that need a unit and a
             # policy of their own ("-mixed": lower_precision_safe_modules reduce in the low dtype).
             mp_policy, module_policies = self.precision_plugin.fsdp_policies(module, self.stage)
             self.units = apply_zero(module, self.device_mesh, self.config.zero, mp_policy,
-                                    module_policies=module_policies)
-            materialize_meta_(module, self.root_device)
+                                    module_policies=module_policies, offload_policy=offload_policy)
+            materialize_meta_(module, offload_setup.param_init_device(self.config.offload, self.root_device))
             from torch.distributed.fsdp import register_fsdp_forward_method
 
             # Lightning calls training_step() etc., not forward(): make them run FSDP2's
@@ -265,9 +297,19 @@ class AmpZeroStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
+            # [fp8] msamp O2: Adam/AdamW -> Fp8AdamW (FP8/fp16 moments); otherwise unchanged.
+            self.optimizers = fp8_optimizers(self.optimizers, self.lr_scheduler_configs, self.config.fp8)
+            # [offload] master weights + Adam moments to the host / NVMe; the step runs there.
+            nvme_dir = offload_setup.resolve_nvme_dir(self.config.offload, trainer.default_root_dir, rank_zero_warn)
+            self.optimizers = offload_setup.wrap_optimizers(self.optimizers, self.config.offload, nvme_dir=nvme_dir,
+                                                            rank=self.global_rank)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            _optimizers_to_device([o for o in self.optimizers if not is_offloaded(o)], self.root_device)
+
+    def _apply_activation_checkpointing(self, module: torch.nn.Module) -> None:
+        self.activation_checkpointing = apply_activation_checkpointing(
+            module, self.config.activation_checkpointing, mesh=self._device_mesh, warn=rank_zero_warn)
 
     def _wrap_ddp(self, module: torch.nn.Module) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel
@@ -330,6 +372,10 @@ class AmpZeroStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
+        offload_setup.close_optimizers(self.optimizers)  # [offload] host buffers, NVMe swap files
+        ac = self.activation_checkpointing
+        if ac is not None and ac.config.profile and ac.profile:
+            rank_zero_info("activation checkpointing profile (per call):\n" + ac.report())
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 

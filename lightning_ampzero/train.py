@@ -254,6 +254,10 @@ def run_job(cfg: Any) -> Optional[float]:
         return None
     if app.run.summary:
         print_summary(summary)
+    with open(job_dir / "summary.txt", "w") as f:  # the tables, for logs and later reading
+        from rich.console import Console
+
+        print_summary(summary, Console(file=f, width=140, color_system=None))
     return summary.get("loss_last")
 
 

@@ -47,6 +47,29 @@ def test_conf_dir_is_the_repository_conf_in_a_source_checkout():
     assert (CONF / "config.yaml").is_file()
 
 
+def test_conf_dir_in_an_installed_wheel_is_inside_the_package(tmp_path):
+    # The wheel ships conf/ as lightning_ampzero/conf (pyproject.toml); a source tree has it beside the package.
+    pkg = tmp_path / "site-packages" / "lightning_ampzero"
+    (pkg / "conf").mkdir(parents=True)
+    (pkg / "conf" / "config.yaml").write_text("defaults: []\n")
+    assert conf_dir(pkg) == pkg / "conf"
+    src = tmp_path / "checkout"
+    (src / "lightning_ampzero").mkdir(parents=True)
+    (src / "conf").mkdir()
+    (src / "conf" / "config.yaml").write_text("defaults: []\n")
+    assert conf_dir(src / "lightning_ampzero") == src / "conf"
+    with pytest.raises(FileNotFoundError, match="Reinstall"):
+        conf_dir(tmp_path / "nowhere" / "lightning_ampzero")
+
+
+def test_optional_local_config_is_merged_last(tmp_path):
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "default.yaml").write_text("# @package _global_\ntrainer:\n  devices: 4\nseed: 7\n")
+    app = compose_typed(["strategy=zero3"], config_dir=str(tmp_path))
+    assert (app.trainer.devices, app.seed, app.strategy.stage) == (4, 7, 3)
+    assert compose_typed([]).trainer.devices == 2  # without it: the default
+
+
 def test_default_config_is_stage2_on_two_cpu_processes_with_the_shipped_corpus():
     app = compose_typed([])
     assert app.strategy == ZeroConfig(stage=2)

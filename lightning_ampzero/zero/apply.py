@@ -21,7 +21,7 @@ from typing import Iterator, Mapping, Optional
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_ampzero.config import ZeroConfig
 from lightning_ampzero.zero.units import Unit, find_blocks, group_units, leftover_modules
@@ -60,13 +60,15 @@ def apply_zero(
     mp_policy: Optional[MixedPrecisionPolicy] = None,
     *,
     module_policies: Optional[Mapping[nn.Module, MixedPrecisionPolicy]] = None,
+    offload_policy: Optional[OffloadPolicy] = None,
 ) -> list[Unit]:
     """Shard ``model`` in place for ``cfg.stage`` (1-3); returns the communication units, root last.
 
     ``mp_policy`` applies to every unit. ``module_policies`` (from the precision plugin) names
     modules that need a different policy: FSDP2 takes one policy per unit, so each becomes a unit
     of its own, nested inside its block's unit (or, if it is a unit already, that unit takes the
-    policy). The nested units are not in the returned list.
+    policy). The nested units are not in the returned list. ``offload_policy`` (every unit):
+    FSDP2's ``CPUOffloadPolicy`` for ``offload.offload_param='cpu'`` (offload/setup.py).
     """
     if cfg.stage == 0:
         raise ValueError("apply_zero handles stages 1-3; stage 0 is plain DDP (the strategy wraps it).")
@@ -76,6 +78,7 @@ def apply_zero(
             f" {mesh.size()}."
         )
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    offload_policy = offload_policy or OffloadPolicy()  # the base class means "no offload"
     blocks = find_blocks(model, cfg.wrap_modules)
     units = group_units(blocks, cfg.unit_size)
     for run in leftover_modules(model, blocks):
@@ -88,7 +91,7 @@ def apply_zero(
         if module in module_policies and module is not model and id(module) not in single:
             numel = sum(p.numel() for p in module.parameters())
             fully_shard(module, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, Unit([module], [name], numel)),
-                        mp_policy=module_policies[module])
+                        mp_policy=module_policies[module], offload_policy=offload_policy)
     # Bottom-up: inner units first, so the root unit keeps only what no unit claimed.
     for unit in units:
         if len(unit.modules) == 1:
@@ -99,8 +102,9 @@ def apply_zero(
             if not rest:
                 continue
             target, policy = (rest[0] if len(rest) == 1 else rest), mp_policy
-        fully_shard(target, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, unit), mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy)
+        fully_shard(target, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, unit), mp_policy=policy,
+                    offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)
 
     # Prefetch follows execution order, which for the usual model (embeddings, blocks, head)
     # is module order; units are sorted by the position of their first module.

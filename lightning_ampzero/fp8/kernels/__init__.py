@@ -119,7 +119,9 @@ def scaled_mm(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Tensor, ou
         out = (a.float() * a_inv_scale.float()) @ (b.float() * b_inv_scale.float())
         return out.to(out_dtype)
     if rowwise:
-        a_inv_scale, b_inv_scale = a_inv_scale.reshape(-1, 1), b_inv_scale.reshape(1, -1)
+        # Strides exactly (1, 1) / (N, 1): _scaled_mm checks them literally.
+        a_inv_scale = a_inv_scale.float().reshape(-1).clone().reshape(-1, 1)
+        b_inv_scale = b_inv_scale.float().reshape(-1).clone().reshape(1, -1)
         if a.is_cuda and out_dtype != torch.bfloat16:
             # CUDA's row-wise FP8 GEMM writes bf16 only.
             return torch._scaled_mm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16).to(out_dtype)

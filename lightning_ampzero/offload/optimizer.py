@@ -1,0 +1,348 @@
+"""ZeRO-Offload for the optimizer: Adam/AdamW with master weights and moments off the accelerator.
+
+:class:`OffloadedAdam` takes over a ``torch.optim.Adam``/``AdamW`` built by the user's
+``configure_optimizers`` (after partitioning, so it holds this rank's shards). It shares the
+wrapped optimizer's ``param_groups`` (LR schedulers keep driving them), keeps fp32 master
+weights and Adam's moments in a :mod:`~lightning_ampzero.offload.store` (host memory or NVMe),
+and runs the step on the host, one ``sub_group_size`` tile at a time:
+
+    gradient shard  --D2H-->  tile  --fused AdamW (host)-->  master tile  --H2D-->  parameter shard
+
+The host step is one vectorized pass per tile (``torch._fused_adamw_``, the CPU kernel
+``torch.optim.AdamW(fused=True)`` uses), the same update rule as ``torch.optim.Adam``/``AdamW``.
+On CUDA the copies go through pinned buffers with ``non_blocking`` and one wait per tile.
+
+[Note: offloaded state in checkpoints] ``state_dict()`` has exactly the layout of the wrapped
+torch optimizer's (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter, DTensors sharded like
+the parameters), built as views of the store (host memory, or memory-mapped swap files), so
+``torch.distributed.checkpoint`` saves and reshards it like any optimizer state, and a
+checkpoint written with offload resumes without it and the reverse. fp32 master weights equal
+the fp32 parameters after every step, so they are restored from the loaded model; only when
+the parameters are in a lower precision is a ``master`` entry added.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from collections.abc import Mapping
+from itertools import chain
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_ampzero.config import OffloadConfig
+from lightning_ampzero.offload.store import HostStore, NvmeStore, Tile, tile_ranges
+
+
+def _local(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _like_param(flat: Tensor, param: Tensor) -> Tensor:
+    """``flat`` (a view of this rank's part) shaped and, for a DTensor parameter, sharded like ``param``."""
+    from torch.distributed.tensor import DTensor
+
+    local = flat.view(_local(param).shape)
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return local
+
+
+def check_supported(optimizer: Optimizer) -> None:
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ValueError(
+            f"offload.offload_optimizer runs Adam/AdamW on the host; configure_optimizers returned"
+            f" {type(optimizer).__name__}. Use torch.optim.AdamW or torch.optim.Adam, or offload_optimizer='none'."
+        )
+    for group in optimizer.param_groups:
+        for key in ("amsgrad", "maximize", "differentiable"):
+            if group.get(key):
+                raise ValueError(
+                    f"offload.offload_optimizer does not support {type(optimizer).__name__}({key}=True). Remove"
+                    f" {key}=True or set offload_optimizer='none'."
+                )
+        if isinstance(group.get("lr"), Tensor) and group["lr"].numel() != 1:
+            raise ValueError("offload.offload_optimizer needs a scalar learning rate.")
+    if any(optimizer.state.values()):
+        raise ValueError("offload.offload_optimizer must wrap an optimizer that has not stepped yet.")
+
+
+class _StateView(Mapping):
+    """``optimizer.state`` of an :class:`OffloadedAdam`: per-parameter views built on access."""
+
+    def __init__(self, owner: "OffloadedAdam") -> None:
+        self._owner = owner
+
+    def __getitem__(self, param: Tensor) -> dict[str, Tensor]:
+        owner = self._owner
+        if param not in owner._steps:
+            raise KeyError(param)
+        return owner._param_state(owner._where[param][0], param)
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return iter(list(self._owner._steps))
+
+    def __len__(self) -> int:
+        return len(self._owner._steps)
+
+
+class OffloadedAdam(Optimizer):
+    """Adam/AdamW stepping on the host over offloaded fp32 state (see the module docstring).
+
+    Args:
+        optimizer: the user's ``torch.optim.Adam``/``AdamW`` over this rank's (sharded) parameters;
+            it must not have stepped. Its ``param_groups`` are shared, its own state stays empty.
+        config: the :class:`~lightning_ampzero.config.OffloadConfig` (``offload_optimizer`` cpu or nvme).
+        nvme_dir: directory for the swap files (``nvme`` only; already resolved from ``nvme_path``).
+        rank: names this rank's swap directory.
+    """
+
+    def __init__(self, optimizer: Optimizer, config: OffloadConfig, *, nvme_dir: Optional[Path] = None,
+                 rank: int = 0) -> None:
+        if config.offload_optimizer not in ("cpu", "nvme"):
+            raise ValueError(f"OffloadedAdam needs offload_optimizer 'cpu' or 'nvme', got {config.offload_optimizer!r}.")
+        check_supported(optimizer)
+        self.optimizer = optimizer
+        self.config = config
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+        self._decoupled = [bool(g.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+                           for g in self.param_groups]
+        # Layout: each group's parameters (their local shards) laid end to end in one flat vector.
+        self._where: dict[Tensor, tuple[int, int, int]] = {}  # param -> (group, offset, numel)
+        self._layout: list[list[tuple[Tensor, int, int]]] = []
+        sizes = []
+        for g, group in enumerate(self.param_groups):
+            entries, offset = [], 0
+            for p in group["params"]:
+                n = _local(p).numel()
+                entries.append((p, offset, n))
+                self._where[p] = (g, offset, n)
+                offset += n
+            self._layout.append(entries)
+            sizes.append(offset)
+        self._offsets = [[off for _, off, _ in entries] for entries in self._layout]
+        self._steps: dict[Tensor, Tensor] = {}
+        device = next((_local(p).device for p in self._where), torch.device("cpu"))
+        # Pinned memory needs an accelerator: pinning fails on a CPU-only machine (FACTS.md).
+        self._pin = bool(config.pin_memory and device.type == "cuda")
+        self._device = device
+        tile = int(config.sub_group_size)
+        if config.offload_optimizer == "cpu":
+            self.store: Any = HostStore(sizes, tile, self._pin)
+        else:
+            if nvme_dir is None:
+                raise ValueError("offload_optimizer='nvme' needs a directory (offload.nvme_path).")
+            self.store = NvmeStore(Path(nvme_dir), sizes, tile, config.buffer_count, config.io_threads, self._pin,
+                                   rank=rank)
+        self._grad_buffer: Optional[Tensor] = None
+        self._load_master_from_params()
+
+    # ---- torch.optim.Optimizer surface -----------------------------------------------------------
+    @property
+    def state(self) -> Mapping:  # type: ignore[override]
+        return _StateView(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("OffloadedAdam cannot be pickled: its state lives in host buffers / swap files.")
+
+    def __repr__(self) -> str:
+        return f"OffloadedAdam({type(self.optimizer).__name__}, offload_optimizer={self.config.offload_optimizer!r})"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("OffloadedAdam does not support add_param_group: add the parameters before setup.")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g in range(len(self.param_groups)):
+            self._step_group(g)
+        self.store.flush()
+        return loss
+
+    # ---- the host step -------------------------------------------------------------------------------
+    def _hyper(self, g: int) -> dict[str, Any]:
+        group = self.param_groups[g]
+        lr = group["lr"]
+        beta1, beta2 = group["betas"]
+        return {"lr": float(lr), "beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
+                "weight_decay": float(group["weight_decay"])}
+
+    def _segments(self, g: int, a: int, b: int, with_grad: set[int]) -> list[tuple[Tensor, int, int, int]]:
+        """(param, start in param, stop in param, start in tile) of the parameters overlapping [a, b)."""
+        out = []
+        entries = self._layout[g]
+        for k in range(max(bisect.bisect_right(self._offsets[g], a) - 1, 0), len(entries)):
+            p, off, n = entries[k]
+            if off >= b:
+                break
+            if off + n <= a or id(p) not in with_grad:
+                continue
+            lo, hi = max(a, off), min(b, off + n)
+            out.append((p, lo - off, hi - off, lo - a))
+        return out
+
+    def _host_grad(self, p: Tensor, lo: int, hi: int, tile_offset: int) -> Tensor:
+        grad = _local(p.grad).reshape(-1)[lo:hi]
+        if grad.device.type == "cpu" and grad.dtype == torch.float32:
+            return grad  # already a host fp32 view: no copy
+        n = hi - lo
+        if self._grad_buffer is None or self._grad_buffer.numel() < self.store.tile:
+            self._grad_buffer = torch.empty(self.store.tile, dtype=torch.float32, pin_memory=self._pin)
+        dst = self._grad_buffer[tile_offset : tile_offset + n]
+        dst.copy_(grad, non_blocking=self._pin)
+        return dst
+
+    def _step_group(self, g: int) -> None:
+        entries = self._layout[g]
+        with_grad = {id(p) for p, _, n in entries if p.grad is not None and n > 0}
+        if not with_grad:
+            return
+        for p, _, _ in entries:
+            if id(p) in with_grad:
+                step = self._steps.get(p)
+                if step is None:
+                    step = self._steps[p] = torch.zeros((), dtype=torch.float32)
+                step += 1
+        h = self._hyper(g)
+        ranges = tile_ranges(self.store.group_sizes[g], self.store.tile)
+        wanted = [i for i, (a, b) in enumerate(ranges) if self._segments(g, a, b, with_grad)]
+        for tile in self.store.tiles(g, wanted):
+            segs = self._segments(g, tile.start, tile.stop, with_grad)
+            grads = [self._host_grad(p, lo, hi, t0) for p, lo, hi, t0 in segs]
+            if self._pin:
+                torch.cuda.current_stream(self._device).synchronize()  # D2H grads landed
+            masters = [tile.master[t0 : t0 + hi - lo] for p, lo, hi, t0 in segs]
+            m1 = [tile.exp_avg[t0 : t0 + hi - lo] for p, lo, hi, t0 in segs]
+            m2 = [tile.exp_avg_sq[t0 : t0 + hi - lo] for p, lo, hi, t0 in segs]
+            steps = [self._steps[p] for p, _, _, _ in segs]
+            _adam_tile(masters, grads, m1, m2, steps, decoupled=self._decoupled[g], **h)
+            for (p, lo, hi, _), master in zip(segs, masters):
+                _local(p).view(-1)[lo:hi].copy_(master, non_blocking=self._pin)
+            event = None
+            if self._pin:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self._device))
+            self.store.done(tile, event)
+
+    def _load_master_from_params(self, groups: Optional[set[int]] = None) -> None:
+        """Master weights := the parameters (fp32 copy), for every tile of the given groups."""
+        with torch.no_grad():
+            for g, entries in enumerate(self._layout):
+                if groups is not None and g not in groups:
+                    continue
+                if self.store.kind == "cpu":
+                    master = self.store.full(g, "master")
+                    for p, off, n in entries:
+                        master[off : off + n].copy_(_local(p).reshape(-1))
+                    continue
+                everything = set(id(p) for p, _, _ in entries)
+                ranges = tile_ranges(self.store.group_sizes[g], self.store.tile)
+                for tile in self.store.tiles(g, range(len(ranges))):
+                    for p, lo, hi, t0 in self._segments(g, tile.start, tile.stop, everything):
+                        tile.master[t0 : t0 + hi - lo].copy_(_local(p).reshape(-1)[lo:hi])
+                    self.store.done(tile)
+            self.store.flush()
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def _param_state(self, g: int, p: Tensor) -> dict[str, Any]:
+        _, off, n = self._where[p]
+        state: dict[str, Any] = {"step": self._steps[p]}
+        for name in ("exp_avg", "exp_avg_sq"):
+            state[name] = _like_param(self.store.full(g, name)[off : off + n], p)
+        if p.dtype != torch.float32:
+            state["master"] = _like_param(self.store.full(g, "master")[off : off + n], p)
+        return state
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        state: dict[int, Any] = {}
+        groups = []
+        index = 0
+        for g, group in enumerate(self.param_groups):
+            packed = {k: v for k, v in group.items() if k != "params"}
+            ids = []
+            for p in group["params"]:
+                if p in self._steps:
+                    state[index] = self._param_state(g, p)
+                ids.append(index)
+                index += 1
+            packed["params"] = ids
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded optimizer state has {len(saved_groups)} parameter groups, this optimizer"
+                             f" {len(self.param_groups)}.")
+        for group, saved in zip(self.param_groups, saved_groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("loaded optimizer state has a parameter group of a different size.")
+            # In place: the wrapped optimizer (and its LR schedulers) share these dicts.
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        keys = chain.from_iterable(s["params"] for s in saved_groups)
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        loaded_state = state_dict["state"]
+        with_master: set[int] = set()
+        refresh = set(range(len(self.param_groups)))
+        with torch.no_grad():
+            for key, p in zip(keys, params):
+                if key not in loaded_state:
+                    continue
+                g, off, n = self._where[p]
+                st = loaded_state[key]
+                self._steps[p] = torch.tensor(float(st["step"]), dtype=torch.float32)
+                for name in ("exp_avg", "exp_avg_sq") + (("master",) if "master" in st else ()):
+                    dst = self.store.full(g, name)[off : off + n]
+                    src = _local(st[name]).reshape(-1)
+                    if src.data_ptr() != dst.data_ptr() or src.device != dst.device:
+                        dst.copy_(src)
+                if "master" in st:
+                    with_master.add(id(p))
+            # Masters not in the checkpoint come from the (already loaded) parameters.
+            if with_master:
+                refresh = {g for g, entries in enumerate(self._layout) if any(id(p) not in with_master
+                                                                              for p, _, _ in entries)}
+        self._load_master_from_params(refresh)
+
+    def close(self) -> None:
+        """Free host buffers and delete NVMe swap files."""
+        self.store.close()
+
+
+def _adam_tile(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+               steps: list[Tensor], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               decoupled: bool) -> None:
+    """One fused Adam(W) update of a tile's segments: the kernel of ``torch.optim.AdamW(fused=True)``."""
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    fused(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
+          weight_decay=weight_decay, eps=eps, maximize=False, grad_scale=None, found_inf=None)
+
+
+def is_offloaded(optimizer: Any) -> bool:
+    return isinstance(getattr(optimizer, "_optimizer", optimizer), OffloadedAdam)
