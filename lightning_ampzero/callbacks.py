@@ -39,7 +39,7 @@ from lightning_ampzero.memory import as_zero_categories, measure_model_state
 
 __all__ = ["MemoryReport"]
 
-_CATEGORIES = ("params", "grads", "optimizer", "model_states", "activations", "peak_rss")
+_CATEGORIES = ("params", "grads", "optimizer", "working", "model_states", "activations", "peak_rss")
 _SAMPLE_FIRST_STEPS = 3
 
 
@@ -135,6 +135,10 @@ class MemoryReport(Callback):
             self._saved.__exit__(None, None, None)
             self._activations = self._saved.total
             self._saved = None
+        # Stages 1-2 hold their gathered parameters from forward to the end of backward only:
+        # sampled after backward or after the step, FSDP2 has already resharded them.
+        if self._sampling(trainer):
+            self._sample(trainer, pl_module)
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         if self._sampling(trainer):
@@ -175,10 +179,17 @@ class MemoryReport(Callback):
 
     # -- gathering and logging ---------------------------------------------------------
     def _local(self, trainer: Any) -> list[float]:
-        cats = as_zero_categories(self._peak, _stage(trainer)) if self._peak else None
+        stage = _stage(trainer)
+        cats = as_zero_categories(self._peak, stage) if self._peak else None
+        params = float(cats.params if cats else 0)
+        working = 0.0
+        if stage == 3 and self._peak:
+            # Stage 3: the formula's parameters are the shards; units gathered at a sample
+            # (persistent small units, the unit in use) are the working set, as in the estimate.
+            params, working = float(self._peak.get("params_sharded", 0)), float(self._peak.get("params_gathered", 0))
         return [
-            float(cats.params if cats else 0), float(cats.grads if cats else 0),
-            float(cats.optimizer if cats else 0), float(self._peak_total),
+            params, float(cats.grads if cats else 0),
+            float(cats.optimizer if cats else 0), working, float(self._peak_total),
             float(self._activations if self._activations is not None else -1), float(_peak_rss_bytes()),
         ]
 
@@ -262,7 +273,8 @@ def render_memory_report(report: dict[str, Any], console: Any = None) -> None:
         table.add_column(col, justify="right")
     for r in report["per_rank"]:
         table.add_row(str(r["rank"]), format_bytes(r["params"]), format_bytes(r["grads"]),
-                      format_bytes(r["optimizer"]), "", format_bytes(r["model_states"]),
+                      format_bytes(r["optimizer"]), format_bytes(r["working"]) if r["working"] else "",
+                      format_bytes(r["model_states"]),
                       format_bytes(r["activations"]), format_bytes(r["peak_rss"]))
     est = report.get("estimate")
     if est:

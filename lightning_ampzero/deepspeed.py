@@ -826,8 +826,8 @@ class _Converter:
             # precision decides; non-default scaler values would then be lost: say so.
             self.check_keys(fp16, _FP16, "fp16")
             default = LossScalerConfig()
-            changed = [k for k, target in _FP16.items() if isinstance(target, str) and k in fp16
-                       and not _is_auto(fp16[k]) and fp16[k] != getattr(default, target.rsplit(".", 1)[-1])]
+            changed = [k for k, target in _FP16.items() if isinstance(target, str) and target != _HANDLED
+                       and k in fp16 and not _is_auto(fp16[k]) and fp16[k] != getattr(default, target.rsplit(".", 1)[-1])]
             if fp16_on is None and changed:
                 self.no_effect.append((
                     "fp16." + "/".join(changed),

@@ -158,9 +158,8 @@ class RunConfig:
 
 
 def _model_config_class() -> type:
-    # GPTConfig lives beside the model; importing it loads torch and lightning (gpt.py defines
-    # the LightningModule at import time).
-    from lightning_ampzero.models.gpt import GPTConfig
+    # models.config is torch-free, so composing and validating a config loads neither torch nor lightning.
+    from lightning_ampzero.models.config import GPTConfig
 
     return GPTConfig
 

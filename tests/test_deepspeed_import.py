@@ -402,3 +402,13 @@ def test_fp16_tutorial_configs_train_on_two_processes(tmp_path):
         assert r["precision"] == "16-mixed" and r["optimizer"] == "AdamW"
         assert r["losses"][-1] < r["losses"][0]
     assert results[str(CONFIGS / "zero1_fp16_warmupdecay.json")]["stage"] == 1
+
+
+def test_disabled_fp16_section_with_scaler_keys_is_accepted():
+    """Regression: fp16.enabled=false plus scaler keys used to crash on an internal marker."""
+    from lightning_ampzero.deepspeed import convert_deepspeed_config
+
+    converted = convert_deepspeed_config({"fp16": {"enabled": False, "loss_scale_window": 100},
+                                          "zero_optimization": {"stage": 1}})
+    assert converted.config.zero.stage == 1
+    assert converted.config.precision.loss_scaler.loss_scale_window == 1000  # fp16 off: DeepSpeed ignores it too

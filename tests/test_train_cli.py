@@ -75,6 +75,11 @@ def test_multirun_runs_each_job_with_two_processes_in_its_own_dir(tmp_path):
         assert mem["per_rank"][0]["optimizer"] == pytest.approx(mem["estimate"]["gpu_optimizer"], rel=0.05)
     assert s1["memory"]["per_rank"][0]["optimizer"] == pytest.approx(1.5 * s3["memory"]["per_rank"][0]["optimizer"], rel=0.05)
     assert s3["memory"]["per_rank"][0]["params"] == pytest.approx(s3["memory"]["estimate"]["gpu_params"], rel=0.05)
+    # the gathered working set (here: units under the persistence threshold stay gathered) is
+    # measured and bounded by the estimate's
+    assert 0 < s3["memory"]["per_rank"][0]["working"] <= 1.05 * s3["memory"]["estimate"]["gpu_working"]
+    # stage 1 holds the gathered parameters from forward to the end of backward (sampled then)
+    assert s1["memory"]["per_rank"][0]["params"] == pytest.approx(s1["memory"]["estimate"]["gpu_params"], rel=0.05)
     assert "memory per rank" in proc.stdout
 
 

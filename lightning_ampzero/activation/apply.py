@@ -241,6 +241,11 @@ def apply_activation_checkpointing(
             " activation_checkpointing.modules."
         )
     chosen = select_blocks(len(blocks), config.every_n, config.number_checkpoints)
+    applied = [blocks[i][1].__dict__.get("forward") for i in chosen]
+    if all(isinstance(f, _CheckpointedForward) and f.owner.config == config for f in applied):
+        # Set up again (a second fit of the same module): it is checkpointed exactly so already.
+        if len({id(f.owner) for f in applied}) == 1:
+            return applied[0].owner
     handle.candidates = [name for name, _ in blocks]
     if config.cpu_checkpointing or config.contiguous_memory_optimization:
         if config.contiguous_memory_optimization:
@@ -250,7 +255,10 @@ def apply_activation_checkpointing(
         name, module = blocks[i]
         current = module.__dict__.get("forward")
         if isinstance(current, _CheckpointedForward):
-            raise ValueError(f"module {name!r} is already activation-checkpointed.")
+            raise ValueError(
+                f"module {name!r} is already activation-checkpointed with another configuration"
+                f" ({current.owner.config}). Call .remove() on the earlier handle first."
+            )
         module.forward = _CheckpointedForward(handle, name, module.forward)
         handle._patched.append((module, current))
         handle.blocks.append(name)

@@ -212,7 +212,7 @@ def _model(args: argparse.Namespace, p: argparse.ArgumentParser, zero: ZeroConfi
             return size, None
         if args.largest_layer is not None or args.largest_unit is not None:
             p.error("--largest-layer / --largest-unit go with --params; --model finds them in the model.")
-        from lightning_ampzero.models.gpt import GPTConfig
+        from lightning_ampzero.models.config import GPTConfig
 
         cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                         n_head=args.n_head, n_embd=args.n_embd)

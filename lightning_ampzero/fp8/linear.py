@@ -64,15 +64,15 @@ def _col_major(q: Tensor, rows: int, cols: int) -> Tensor:
 class _Plan:
     """Everything the autograd function needs to know about its module (not a tensor)."""
 
-    __slots__ = ("module", "dtypes", "rowwise", "emulate", "pad")
+    __slots__ = ("module", "dtypes", "rowwise", "emulate", "report_backward")
 
-    def __init__(self, module: "Fp8Linear") -> None:
+    def __init__(self, module: "Fp8Linear", report_backward: Optional[bool]) -> None:
         cfg = module.fp8_config
         self.module = module if cfg.recipe == "delayed" else None
+        self.report_backward = report_backward  # DelayedScalingSync.on_forward's verdict
         self.dtypes = role_dtypes(cfg)
         self.rowwise = cfg.recipe == "rowwise"
         self.emulate = cfg.emulate
-        self.pad = True
 
 
 def _unwrap_weight(weight: Tensor) -> tuple[Tensor, Optional[tuple[Tensor, Tensor]]]:
@@ -153,8 +153,6 @@ class _Fp8LinearFn(torch.autograd.Function):
             x_q, x_s, w_s, weight = ctx.saved_tensors
             g_s, record = current_scale(plan.module, GRAD, grad_y, g_dtype)
             g_q, g_qt = kernels.cast_transpose(grad_y, g_s, g_dtype, record)
-            if plan.module is not None:
-                plan.module._fp8_sync.pending = True
             if need_x:
                 w_hp, gathered = _unwrap_weight(weight)
                 w_q = gathered[0] if gathered is not None else kernels.cast(w_hp, w_s, w_dtype)
@@ -169,6 +167,8 @@ class _Fp8LinearFn(torch.autograd.Function):
                     _pad(g_qt, np_, mp), _col_major(x_q, mp, kp), g_s.reciprocal(), x_s.reciprocal(),
                     weight.dtype, emulate=plan.emulate,
                 )[:n, :k]
+        if plan.report_backward is not None:
+            plan.module._fp8_sync.on_backward(plan.report_backward)
         if need_b and ctx.bias_dtype is not None:
             grad_b = grad_y.float().sum(0).to(ctx.bias_dtype)
         grad_x = grad_x.contiguous() if grad_x is not None else None
@@ -191,7 +191,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_config = config or Fp8Config()
         super().__init__(in_features, out_features, bias, device, dtype)
         self._fp8_sync: Optional[DelayedScalingSync] = None
-        self._fp8_history_ready = False
+        self._fp8_ready = (False, False, False)  # per role: a scale from history exists
         if self.fp8_config.recipe == "delayed":
             h = self.fp8_config.amax_history_len
             self.register_buffer("fp8_amax_history", torch.zeros(3, h, device=device, dtype=torch.float32))
@@ -205,6 +205,8 @@ class Fp8Linear(nn.Linear):
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config)
         weight = linear.weight
+        if fp8_all_gather and config.recipe == "rowwise":
+            raise ValueError("FP8 all-gather needs one scale per weight tensor; recipe='rowwise' has one per row.")
         if fp8_all_gather:
             from lightning_ampzero.fp8.fsdp import Fp8AllGatherWeight
 
@@ -227,7 +229,7 @@ class Fp8Linear(nn.Linear):
         if "fp8_amax_history" in self._buffers:
             self.fp8_amax_history.zero_()
             self.fp8_scale.zero_()
-        self._fp8_history_ready = False
+        self._fp8_ready = (False, False, False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Fp8Linear":
         super()._apply(fn, recurse)
@@ -239,15 +241,16 @@ class Fp8Linear(nn.Linear):
         return self
 
     def forward(self, x: Tensor) -> Tensor:
+        report = None
         if self._fp8_sync is not None and self.training:
-            self._fp8_sync.maybe_sync()
+            report = self._fp8_sync.on_forward(torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
         if torch.is_autocast_enabled(x.device.type):
             out_dtype = torch.get_autocast_dtype(x.device.type)
         else:
             out_dtype = x.dtype
         lead = x.shape[:-1]
         with torch.autocast(x.device.type, enabled=False):
-            y = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), self.weight, self.bias, _Plan(self), out_dtype)
+            y = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), self.weight, self.bias, _Plan(self, report), out_dtype)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -257,7 +260,8 @@ class Fp8Linear(nn.Linear):
 
 def _history_ready_after_load(module: Fp8Linear, incompatible_keys: Any) -> None:
     # A resumed run continues from the saved scales (0 = a role that had no history yet).
-    module._fp8_history_ready = bool((module.fp8_scale > 0).all()) if not module.fp8_scale.is_meta else False
+    if not module.fp8_scale.is_meta:
+        module._fp8_ready = tuple(bool(v) for v in (module.fp8_scale > 0).tolist())
 
 
 def _plain_weight_in_state_dict(module: Fp8Linear, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

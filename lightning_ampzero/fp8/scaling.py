@@ -14,10 +14,14 @@ amax; a cast records ``max(column 0, amax(tensor))`` while casting with ``fp8_sc
 pass over the tensor; Triton fuses the two). Once per forward-backward,
 :meth:`DelayedScalingSync.sync` all-reduces column 0 of every module in one collective (MAX
 over data-parallel ranks, so every rank uses the same scales), sets
-``fp8_scale = fp8_max / max(history) / 2**margin`` and rolls the history. It runs at the first
-training forward after a backward (not inside backward, where activation checkpointing
-recomputes forwards), on every rank at the same point since all ranks run the same modules in
-the same order. A scale of 0 means "no history yet": that tensor is scaled dynamically (from
+``fp8_scale = fp8_max / max(history) / 2**margin`` and rolls the history. It runs when the
+last Fp8Linear backward of a forward-backward has finished (the sync object counts the training
+forwards that will have a backward; forwards recomputed by activation checkpointing inside
+backward do not count), on every rank at the same point since all ranks run the same modules
+in the same order. So between steps, when checkpoints are written, column 0 is empty and the
+state is the same on every rank: DCP saves rank 0's copy of these replicated buffers, which
+must describe every rank. (A forward whose backward never ran leaves the sync pending; the next
+training forward then runs it.) A scale of 0 means "no history yet" (a Python flag per role mirrors it, set by the sync and on load, so the hot path needs no host sync): that tensor is scaled dynamically (from
 its current amax), as on the first step, so no run ever starts from a default scale of 1.
 """
 
@@ -30,6 +34,7 @@ import torch
 from torch import Tensor
 
 from lightning_ampzero.config import Fp8Config
+from lightning_ampzero.fp8 import kernels
 from lightning_ampzero.fp8.kernels import EPS, FP8_MAX
 
 E4M3 = torch.float8_e4m3fn
@@ -61,7 +66,8 @@ class DelayedScalingSync:
     def __init__(self, config: Fp8Config, process_group: Any = None) -> None:
         self.config = config
         self.process_group = process_group
-        self.pending = False
+        self.pending = False  # a backward recorded amaxes since the last sync
+        self.outstanding = 0  # training forwards whose backward has not run yet
         self._modules: list[weakref.ref] = []
 
     def register(self, modules: Iterable[torch.nn.Module]) -> None:
@@ -70,14 +76,35 @@ class DelayedScalingSync:
     def modules(self) -> list[Any]:
         return [m for m in (r() for r in self._modules) if m is not None]
 
-    def maybe_sync(self) -> None:
-        # Not inside backward: a forward recomputed by activation checkpointing is not a new step.
-        if self.pending and torch._C._current_graph_task_id() == -1:
-            self.sync()
+    def on_forward(self, will_backward: bool) -> Optional[bool]:
+        """A training forward of one Fp8Linear (before its casts): what its backward passes to :meth:`on_backward`.
+
+        True: counted (its backward may complete the step). False: a forward recomputed inside
+        backward by activation checkpointing, not a new step (with non-reentrant checkpointing its
+        backward never runs; with reentrant checkpointing it does, and marks the sync pending).
+        None: no backward expected.
+        """
+        if torch._C._current_graph_task_id() != -1:
+            return False
+        if self.pending:
+            self.sync()  # the previous step's backward did not reach every module
+        if not will_backward:
+            return None
+        self.outstanding += 1
+        return True
+
+    def on_backward(self, counted: bool) -> None:
+        """One Fp8Linear backward finished (after recording its gradient's amax)."""
+        self.pending = True
+        if counted and self.outstanding > 0:
+            self.outstanding -= 1
+            if self.outstanding == 0:
+                self.sync()
 
     @torch.no_grad()
     def sync(self) -> None:
         self.pending = False
+        self.outstanding = 0
         mods = self.modules()
         if not mods:
             return
@@ -95,11 +122,11 @@ class DelayedScalingSync:
         scale = torch.where(amax > 0, fp8_max / amax.clamp(min=EPS) / 2.0**self.config.margin, old)
         hist = hist.roll(1, dims=2)
         hist[:, :, 0] = 0
-        ready = (scale > 0).all(dim=1).tolist()  # one host sync per step
+        ready = (scale > 0).tolist()  # one host sync per step
         for i, m in enumerate(mods):
             m.fp8_amax_history.copy_(hist[i])
             m.fp8_scale.copy_(scale[i])
-            m._fp8_history_ready = ready[i]
+            m._fp8_ready = tuple(ready[i])
 
 
 def current_scale(module: Optional[Any], role: int, x: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Optional[Tensor]]:
@@ -109,14 +136,10 @@ def current_scale(module: Optional[Any], role: int, x: Tensor, fp8_dtype: torch.
     in eval mode uses its scales but records nothing.
     """
     if module is None:
-        from lightning_ampzero.fp8 import kernels
-
         return scale_from_amax(kernels.amax(x), fp8_dtype), None
     record = module.fp8_amax_history[role, 0:1] if module.training else None
-    if module._fp8_history_ready:
+    if module._fp8_ready[role]:
         return module.fp8_scale[role].float(), record
-    from lightning_ampzero.fp8 import kernels
-
     a = kernels.amax(x)
     if record is not None:
         torch.maximum(record, a.reshape(1), out=record)

@@ -8,39 +8,14 @@ Transformer blocks live in an ``nn.ModuleList`` so the automatic wrap policy fin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ampzero._schema import check_number, config_from_dict
+from lightning_ampzero.models.config import GPTConfig
 from lightning_ampzero.models.init import init_parameters_
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 256
-    block_size: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    seed: int = 1234
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            check_number("model", name, getattr(self, name), minimum=1, integral=True)
-        if self.n_embd % self.n_head:
-            raise ValueError(
-                f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}."
-            )
-        check_number("model", "dropout", self.dropout, minimum=0)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> "GPTConfig":
-        return config_from_dict(cls, data, path="model")
 
 
 class CausalSelfAttention(nn.Module):

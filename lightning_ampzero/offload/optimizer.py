@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_ampzero.config import OffloadConfig
-from lightning_ampzero.offload.store import HostStore, NvmeStore, Tile, tile_ranges
+from lightning_ampzero.offload.store import HostStore, NvmeStore, tile_ranges
 
 
 def _local(t: Tensor) -> Tensor:
@@ -183,6 +183,8 @@ class OffloadedAdam(Optimizer):
         for g in range(len(self.param_groups)):
             self._step_group(g)
         self.store.flush()
+        # LR schedulers hold the wrapped optimizer and warn if they step before it did.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return loss
 
     # ---- the host step -------------------------------------------------------------------------------

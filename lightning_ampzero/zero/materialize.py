@@ -40,7 +40,14 @@ def materialize_meta_(module: nn.Module, device: torch.device) -> None:
             reset()
             initialised.update(id(p) for p in m.parameters())
 
-    visit(module)
+    import warnings
+
+    with warnings.catch_warnings():
+        # On a CPU mesh torch warns that random ops on DTensors "may not have complete support":
+        # each rank fills its own shard from its own generator, which is what sharded init means
+        # here (modules wanting values identical to an unsharded init use models/init.py).
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        visit(module)
     missing = [n for n, p in module.named_parameters() if id(p) not in initialised]
     if missing:
         raise RuntimeError(

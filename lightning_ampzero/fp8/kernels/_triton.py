@@ -12,7 +12,10 @@ read), and row-wise scaling computes each row's amax and casts it in one program
 [Note: FP8 cast numerics] ``x * scale`` is an fp32 multiply (no add follows it, so no FMA
 contraction can change its rounding), clamped to the format's max, then converted with
 ``cvt.rn.satfinite`` (round to nearest even, saturating): exactly the torch path's
-``(x.float() * scale).clamp(-max, max).to(fp8)``. Scales are computed by torch on both paths.
+``(x.float() * scale).clamp(-max, max).to(fp8)``. Per-tensor scales are computed by torch on
+both paths; row-wise scales in the kernel use ``div_rn`` (IEEE division, as torch's ``/``), not
+Triton's default approximate fp32 division. NaN inputs are the one difference left:
+``tl.clamp`` does not propagate NaN, torch's clamp does (a NaN then casts to E4M3's NaN).
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ def _rowwise_cast_kernel(x_ptr, q_ptr, scale_ptr, M, N, sx_m, sx_n, sq_m, sq_n, 
         mask = row_mask[:, None] & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * sx_m + rn[None, :] * sx_n, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    scale = FP8_MAX / tl.maximum(amax, EPS)
+    # IEEE division (Triton's `/` is approximate in fp32): the same scale torch computes.
+    scale = tl.math.div_rn(tl.full([BM], FP8_MAX, tl.float32), tl.maximum(amax, EPS))
     tl.store(scale_ptr + rm, scale, mask=row_mask)
     for start in range(0, N, BN):
         rn = start + tl.arange(0, BN)
