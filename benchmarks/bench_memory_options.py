@@ -9,11 +9,17 @@ memory is its own.
 
 Measured per option:
 
-* ``step_ms``: median wall time of a training step (forward, backward, optimizer) after warm-up;
+* ``step_ms`` / ``step_ms_min``: median and fastest wall time of a training step (forward,
+  backward, optimizer) after warm-up, with ``--threads`` intra-op threads (default 1: on a shared
+  machine the fastest step is the least disturbed estimate);
 * ``saved_activation_bytes``: bytes kept for backward after the forward (by device);
-* ``peak_host_growth``: peak RSS of the process while training (warm-up and measured steps,
-  optimizer state created lazily included), less its RSS once model and data were built (CPU;
-  the peak is reset through /proc/self/clear_refs at that point);
+* ``peak_host_growth``: how far the process's RSS rises above its level between steps during the
+  measured steps (CPU): the transient memory of a step (activations, gradients, temporaries).
+  The peak is reset through /proc/self/clear_refs after warm-up, and the subprocess runs with
+  ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors go back to the OS (glibc would otherwise
+  keep them, and RSS would not show what a step frees);
+* ``persistent_host_bytes``: RSS between steps less RSS once the model was built, before the
+  optimizer (CPU): optimizer state (wherever it lives), gradients and anything else kept across steps;
 * ``peak_device_bytes``: ``torch.cuda.max_memory_allocated`` over a step (CUDA);
 * ``optimizer_resident_bytes``: optimizer state resident in host memory (offload).
 
@@ -68,12 +74,14 @@ def run_option(name: str, args: argparse.Namespace) -> dict:
 
     option = OPTIONS[name]
     device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64), block_size=args.seq)
     model = GPT(cfg).to(device)
     handle = None
     if "ac" in option:
         handle = apply_activation_checkpointing(model, ActivationCheckpointingConfig(**option["ac"]))
+    rss_built = _status_kib("VmRSS")  # model built, no optimizer yet
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     tmp = None
     if "offload" in option:
@@ -95,8 +103,6 @@ def run_option(name: str, args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    Path("/proc/self/clear_refs").write_text("5")
-    rss = _status_kib("VmRSS")
     for _ in range(2):
         step()
     packed_before = dict(handle.hooks.stats.bytes_by_device) if handle is not None and handle.hooks else {}
@@ -109,6 +115,8 @@ def run_option(name: str, args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base_alloc = torch.cuda.memory_allocated()
+    Path("/proc/self/clear_refs").write_text("5")
+    rss = _status_kib("VmRSS")
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -117,6 +125,8 @@ def run_option(name: str, args: argparse.Namespace) -> dict:
     out = {
         "option": name,
         "step_ms": 1e3 * statistics.median(times),
+        "step_ms_min": 1e3 * min(times),
+        "persistent_host_bytes": (rss - rss_built) * 1024,
         "saved_activation_bytes": saved.bytes,
         "saved_activation_bytes_by_device": saved.bytes_by_device,
         "peak_host_growth": (_status_kib("VmHWM") - rss) * 1024,
@@ -144,18 +154,21 @@ def _mib(n: float) -> str:
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
     base = next(r for r in results if r["option"] == "baseline")
     device_col = args.device == "cuda"
-    head = ["option", "step ms", "vs base", "saved act. MiB", "of which CPU checkpoints MiB", "optimizer resident MiB",
-            "peak device MiB" if device_col else "peak host growth MiB"]
+    head = ["option", "step ms (median / min)", "min vs base", "saved act. MiB", "of which CPU checkpoints MiB",
+            "optimizer resident MiB", "peak device MiB" if device_col else "step peak host MiB",
+            "persistent host MiB"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         host_act = r["checkpoint_copies_by_device"].get("cpu", 0)
         peak = r.get("peak_device_bytes", 0) if device_col else r["peak_host_growth"]
         rows.append("| " + " | ".join([
-            r["option"], f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.2f}x",
+            r["option"], f"{r['step_ms']:.0f} / {r['step_ms_min']:.0f}", f"{r['step_ms_min'] / base['step_ms_min']:.2f}x",
             _mib(r["saved_activation_bytes"]), _mib(host_act), _mib(r["optimizer_resident_bytes"]), _mib(peak),
+            _mib(r["persistent_host_bytes"]),
         ]) + " |")
     note = (f"GPT {args.layers} layers x {args.width} wide, batch {args.batch} x {args.seq} tokens,"
-            f" {base['params'] / 1e6:.1f}M parameters, AdamW; device {args.device}; median of {args.steps} steps.")
+            f" {base['params'] / 1e6:.1f}M parameters, AdamW; device {args.device}, {args.threads} thread(s);"
+            f" {args.steps} measured steps.")
     return note + "\n\n" + "\n".join(rows) + "\n"
 
 
@@ -163,6 +176,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per run")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--seq", type=int, default=128)
@@ -180,10 +194,11 @@ def main() -> None:
     for name in args.options.split(","):
         cmd = [sys.executable, __file__, "--one", name, "--device", args.device, "--steps", str(args.steps),
                "--layers", str(args.layers), "--width", str(args.width), "--seq", str(args.seq),
-               "--batch", str(args.batch), "--tile", str(args.tile)]
+               "--batch", str(args.batch), "--tile", str(args.tile), "--threads", str(args.threads)]
         if args.nvme_dir:
             cmd += ["--nvme-dir", args.nvme_dir]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": "65536"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
             raise SystemExit(f"option {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

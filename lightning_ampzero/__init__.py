@@ -10,11 +10,14 @@ must stay free of imports: the public classes are loaded on first attribute acce
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationCheckpointingConfig",
     "AmpZeroConfig",
     "AmpZeroPrecision",
     "AmpZeroStrategy",
     "DynamicLossScaler",
+    "Fp8Config",
     "LossScalerConfig",
+    "OffloadConfig",
     "PrecisionConfig",
     "ZeroConfig",
     "__version__",
@@ -29,13 +32,24 @@ _LAZY = {
     "ZeroConfig": "lightning_ampzero.config",
     "PrecisionConfig": "lightning_ampzero.config",
     "LossScalerConfig": "lightning_ampzero.config",
+    "Fp8Config": "lightning_ampzero.config",
+    "ActivationCheckpointingConfig": "lightning_ampzero.config",
+    "OffloadConfig": "lightning_ampzero.config",
     "DynamicLossScaler": "lightning_ampzero.precision.scaler",
 }
 
 # `typing` is not loaded at start-up; mypy and pyright treat a local TYPE_CHECKING like typing's.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from lightning_ampzero.config import AmpZeroConfig, LossScalerConfig, PrecisionConfig, ZeroConfig
+    from lightning_ampzero.config import (
+        ActivationCheckpointingConfig,
+        AmpZeroConfig,
+        Fp8Config,
+        LossScalerConfig,
+        OffloadConfig,
+        PrecisionConfig,
+        ZeroConfig,
+    )
     from lightning_ampzero.precision.plugin import AmpZeroPrecision
     from lightning_ampzero.precision.scaler import DynamicLossScaler
     from lightning_ampzero.strategy import AmpZeroStrategy

@@ -127,6 +127,23 @@ def test_lr_scheduler_of_the_wrapped_optimizer_still_drives_it(tmp_path):
     assert inner.param_groups[0]["lr"] == 1.0  # loaded in place: still the scheduler's dicts
 
 
+def test_empty_local_shard_steps_like_torch():
+    """Uneven sharding leaves some ranks an empty shard: it must still get (empty) state, as in torch,
+    or loading a checkpoint on that rank misses it."""
+    params = [torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(n))) for n in (10, 0, 3)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = OffloadedAdam(torch.optim.AdamW(params, lr=0.1), OffloadConfig(offload_optimizer="cpu", sub_group_size=4))
+    ref_opt = torch.optim.AdamW(ref, lr=0.1, foreach=True)
+    for _ in range(3):
+        for p, q in zip(params, ref):
+            p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+        opt.step()
+        ref_opt.step()
+    assert all(torch.allclose(p, q) for p, q in zip(params, ref))
+    assert [float(opt.state[p]["step"]) for p in params] == [3.0, 3.0, 3.0]
+    assert opt.state[params[1]]["exp_avg"].shape == (0,)
+
+
 def test_unsupported_optimizers_are_refused():
     model = _model()
     with pytest.raises(ValueError, match="runs Adam/AdamW on the host.*SGD"):

@@ -203,7 +203,7 @@ class OffloadedAdam(Optimizer):
             p, off, n = entries[k]
             if off >= b:
                 break
-            if off + n <= a or id(p) not in with_grad:
+            if n == 0 or off + n <= a or id(p) not in with_grad:
                 continue
             lo, hi = max(a, off), min(b, off + n)
             out.append((p, lo - off, hi - off, lo - a))
@@ -222,7 +222,9 @@ class OffloadedAdam(Optimizer):
 
     def _step_group(self, g: int) -> None:
         entries = self._layout[g]
-        with_grad = {id(p) for p, _, n in entries if p.grad is not None and n > 0}
+        # A parameter whose shard on this rank is empty (uneven sharding) still steps, as in torch: its
+        # (empty) state must exist on every rank for checkpoints to load.
+        with_grad = {id(p) for p, _, _ in entries if p.grad is not None}
         if not with_grad:
             return
         for p, _, _ in entries:
