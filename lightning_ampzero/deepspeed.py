@@ -16,6 +16,13 @@ Rules (DeepSpeed silently ignores a misspelt key; we do not):
   Trainer / LightningModule already says; :attr:`ImportedDeepSpeedConfig.auto` lists those keys.
 * Values are validated by the typed configs, so a bad value names the allowed ones.
 
+Features: ``zero_optimization.offload_optimizer`` / ``offload_param`` / ``sub_group_size`` and
+``aio`` become :class:`~lightning_ampzero.config.OffloadConfig`, ``activation_checkpointing``
+turns on full checkpointing of the repeated blocks
+(:class:`~lightning_ampzero.config.ActivationCheckpointingConfig`), and ``msamp`` becomes
+:class:`~lightning_ampzero.config.Fp8Config` (``_deepspeed_features.py``). Keys whose meaning
+here differs from DeepSpeed's are listed as notes (:attr:`ImportedDeepSpeedConfig.notes`).
+
 Precision: ``fp16`` maps to ``"16-mixed"`` and ``bf16`` to ``"bf16-mixed"``, as Lightning's
 own DeepSpeed integration maps them; DeepSpeed's fp16 loss-scaler keys keep their names and
 semantics (:class:`~lightning_ampzero.config.LossScalerConfig`). ``torch_autocast`` picks the
@@ -35,8 +42,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
+from lightning_ampzero import _deepspeed_features as features
 from lightning_ampzero._schema import check_choice, check_number, config_from_dict, suggest
-from lightning_ampzero.config import AmpZeroConfig, LossScalerConfig, PrecisionConfig, ZeroConfig
+from lightning_ampzero.config import (
+    ActivationCheckpointingConfig,
+    AmpZeroConfig,
+    Fp8Config,
+    LossScalerConfig,
+    OffloadConfig,
+    PrecisionConfig,
+    ZeroConfig,
+)
 
 __all__ = [
     "DeepSpeedConfigError",
@@ -306,14 +322,14 @@ _ZERO: dict[str, Any] = {
     "offload_param": _HANDLED,
     "cpu_offload": _HANDLED,
     "cpu_offload_params": _HANDLED,
-    "cpu_offload_use_pin_memory": _NoEffect("pinned memory is the offload feature's choice"),
+    "cpu_offload_use_pin_memory": _HANDLED,
     "overlap_comm": _NoEffect(_FSDP + " and always overlaps it with compute"),
     "contiguous_gradients": _NoEffect("FSDP2 reduces gradients from contiguous buffers already"),
     "reduce_scatter": _NoEffect("stages 2-3 always reduce-scatter gradients"),
     "allgather_partitions": _NoEffect("parameters are always all-gathered per communication unit"),
     "use_multi_rank_bucket_allreduce": _NoEffect(_FSDP),
     "round_robin_gradients": _NoEffect(_FSDP),
-    "sub_group_size": _NoEffect("the optimizer steps over each rank's shards at once (no sub-groups)"),
+    "sub_group_size": _HANDLED,
     "stage3_max_live_parameters": _NoEffect("live parameters are bounded by the units in flight (prefetch_bucket_size)"),
     "max_live_parameters": _NoEffect("live parameters are bounded by the units in flight (prefetch_bucket_size)"),
     "stage3_max_reuse_distance": _NoEffect("stage 3 re-gathers every unit for backward (reshard_after_forward)"),
@@ -350,11 +366,6 @@ _ZERO: dict[str, Any] = {
     "cpuadam_cores_perc": _NoEffect("there is no DeepSpeed CPU Adam here"),
 }
 
-_OFFLOAD_OPTIMIZER = ("device", "nvme_path", "buffer_count", "pin_memory", "pipeline", "pipeline_read",
-                      "pipeline_write", "fast_init", "ratio")
-_OFFLOAD_PARAM = ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory")
-_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-
 _FP16: dict[str, Any] = {
     "enabled": _HANDLED,
     "auto_cast": _HANDLED,
@@ -378,12 +389,6 @@ _BF16: dict[str, Any] = {
 
 _AUTOCAST = ("enabled", "dtype", "lower_precision_safe_modules")
 _AMP = _NoEffect("Apex AMP is not supported: use fp16 / bf16 / torch_autocast (or Trainer precision=...)")
-
-_AC_KEYS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
-            "synchronize_checkpoint_boundary", "profile")
-_AIO_KEYS = ("block_size", "queue_depth", "thread_count", "intra_op_parallelism", "single_submit",
-             "overlap_events", "use_gds")
-_MSAMP_KEYS = ("enabled", "opt_level")
 
 _OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW"}
 _DS_OTHER_OPTIMIZERS = ("adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw",
@@ -423,6 +428,8 @@ class ImportedDeepSpeedConfig:
             is the micro-batch; checked against the world size in :meth:`apply_to_trainer`).
         optimizer, scheduler: used when the LightningModule configures no optimizer.
         no_effect: ``(key path, reason)`` for every key that changes nothing here.
+        notes: ``(key path, how it is read)`` for keys whose meaning here differs from DeepSpeed's
+            (the ``activation_checkpointing`` section, ``offload_param.device="nvme"``, ``msamp``).
         auto: key paths whose value was ``"auto"``.
         source: the file it came from, or ``"<dict>"``.
     """
@@ -438,6 +445,7 @@ class ImportedDeepSpeedConfig:
     source: str = "<dict>"
     #: ``"auto"`` optimizer parameters, resolved when the optimizer is built (``lr``: the module's).
     optimizer_auto: tuple[str, ...] = ()
+    notes: tuple[tuple[str, str], ...] = ()
 
     # ---- Lightning -----------------------------------------------------------------------
     def apply_to_trainer(self, trainer: Any) -> None:
@@ -561,6 +569,17 @@ class ImportedDeepSpeedConfig:
         prec = _diff(self.config.precision, PrecisionConfig(precision=self.config.precision.precision))
         if prec:
             out["precision"] = prec
+        # Each against what its group option (hydra_groups) sets: conf/<group>/<option>.yaml.
+        cfg = self.config
+        for node, value, default in (
+            ("offload", cfg.offload, OffloadConfig()),
+            ("activation_checkpointing", cfg.activation_checkpointing,
+             ActivationCheckpointingConfig(mode=cfg.activation_checkpointing.mode)),
+            ("fp8", cfg.fp8, Fp8Config(recipe=cfg.fp8.recipe) if cfg.fp8.enabled else Fp8Config.off()),
+        ):
+            diff = _diff(value, default)
+            if diff:
+                out[node] = diff
         if self.trainer:
             out["trainer"] = dict(self.trainer)
         micro = self.micro_batch(world_size)
@@ -575,11 +594,19 @@ class ImportedDeepSpeedConfig:
         return _lists(out)
 
     def hydra_groups(self) -> dict[str, str]:
-        """Config-group choices: ``{"strategy": "zero3", "precision": "16-mixed"}``."""
-        groups = {"strategy": f"zero{self.config.zero.stage}"}
-        precision = self.config.precision.precision
-        if precision is not None:
-            groups["precision"] = precision
+        """Config-group choices: ``{"strategy": "zero3", "precision": "16-mixed", "activation_checkpointing": "full"}``.
+
+        Offload is written as ``offload.*`` values over ``strategy=zero<stage>`` (explicit, rather than
+        the strategy group's *_offload presets, whose other values would have to be diffed too).
+        """
+        cfg = self.config
+        groups = {"strategy": f"zero{cfg.zero.stage}"}
+        if cfg.precision.precision is not None:
+            groups["precision"] = cfg.precision.precision
+        if cfg.activation_checkpointing.enabled:
+            groups["activation_checkpointing"] = cfg.activation_checkpointing.mode
+        if cfg.fp8.enabled:
+            groups["fp8"] = cfg.fp8.recipe
         return groups
 
     def hydra_overrides(self, world_size: Optional[int] = None) -> list[str]:
@@ -601,6 +628,8 @@ class ImportedDeepSpeedConfig:
         ]
         for key, reason in self.no_effect:
             lines.append(f"# no effect: {key} ({reason})")
+        for key, reason in self.notes:
+            lines.append(f"# note: {key}: {reason}")
         for key in self.auto:
             lines.append(f"# \"auto\": {key} (takes the default)")
         if self.micro_batch_size is None and self.train_batch_size is not None and world_size is None:
@@ -725,6 +754,8 @@ class _Converter:
         self.optimizer: Optional[OptimizerConfig] = None
         self.optimizer_auto: list[str] = []
         self.scheduler: Optional[SchedulerConfig] = None
+        self.notes: list[tuple[str, str]] = []
+        self.offload_optimizer = "none"  # the offload_optimizer device (aio needs it)
 
     # -- helpers ---------------------------------------------------------------------------
     def section(self, data: Any, path: str) -> dict[str, Any]:
@@ -794,20 +825,7 @@ class _Converter:
         if not z:
             return
         self.walk(z, _ZERO, "zero_optimization")
-        for name, keys in (("offload_optimizer", _OFFLOAD_OPTIMIZER), ("offload_param", _OFFLOAD_PARAM)):
-            section = self.section(z.get(name), f"zero_optimization.{name}")
-            self.check_keys(section, keys, f"zero_optimization.{name}")
-            device = section.get("device", "none")
-            if device is None:
-                device = "none"
-            if device not in _OFFLOAD_DEVICES:
-                self.errors.append(f"zero_optimization.{name}.device={device!r} is not valid. Allowed values:"
-                                   f" {', '.join(map(repr, _OFFLOAD_DEVICES))}.")
-            elif device != "none":
-                self.no_effect.append((f"zero_optimization.{name}", f"{device} offload is {_NOT_YET}"))
-        for legacy in ("cpu_offload", "cpu_offload_params"):
-            if z.get(legacy) is True:
-                self.no_effect.append((f"zero_optimization.{legacy}", f"cpu offload is {_NOT_YET}"))
+        features.convert_offload(self, z)
 
     def precision(self, data: Mapping[str, Any]) -> None:
         fp16 = self.section(data.get("fp16"), "fp16")
@@ -873,25 +891,11 @@ class _Converter:
             self.no_effect.append(("amp", _AMP.reason))
 
     def sections(self, data: Mapping[str, Any]) -> None:
-        """Sections of features not available yet: keys are checked, their effect listed."""
-        for name, keys, what in (
-            ("activation_checkpointing", _AC_KEYS, "activation checkpointing through this config"),
-            ("aio", _AIO_KEYS, "NVMe offload (aio)"),
-            ("msamp", _MSAMP_KEYS, "FP8 (MS-AMP) training"),
-        ):
-            section = self.section(data.get(name), name)
-            self.check_keys(section, keys, name)
-            if not section:
-                continue
-            if name == "msamp":
-                if section.get("enabled"):
-                    level = section.get("opt_level", "O1")
-                    if level not in ("O1", "O2", "O3"):
-                        self.errors.append(f"msamp.opt_level={level!r} is not valid. Allowed values: 'O1', 'O2', 'O3'.")
-                    self.no_effect.append(("msamp", f"{what} is {_NOT_YET}"))
-                continue
-            if any(v not in (None, False, 0) for v in section.values()):
-                self.no_effect.append((name, f"{what} is {_NOT_YET}"))
+        """The feature sections (after ``zero``: ``aio`` depends on the offload device)."""
+        features.convert_aio(self, self.section(data.get("aio"), "aio"))
+        features.convert_activation_checkpointing(
+            self, self.section(data.get("activation_checkpointing"), "activation_checkpointing"))
+        features.convert_msamp(self, self.section(data.get("msamp"), "msamp"))
 
     def optimizer_section(self, opt: dict[str, Any]) -> None:
         if not opt:
@@ -1006,7 +1010,7 @@ class _Converter:
             config=config, trainer=trainer_kwargs, micro_batch_size=sizes.get("micro_batch_size"),
             train_batch_size=sizes.get("train_batch_size"), optimizer=self.optimizer, scheduler=self.scheduler,
             no_effect=tuple(self.no_effect), auto=tuple(self.auto), source=self.source,
-            optimizer_auto=tuple(self.optimizer_auto),
+            optimizer_auto=tuple(self.optimizer_auto), notes=tuple(self.notes),
         )
 
     def _trainer(self, trainer: dict[str, tuple[Any, str]]) -> dict[str, Any]:
@@ -1046,9 +1050,12 @@ def convert_deepspeed_config(
     converter = _Converter(source)
     converter.convert(data)
     result = converter.result()
-    if warn and result.no_effect:
-        _warn(
-            f"DeepSpeed config {source}: {len(result.no_effect)} key(s) have no effect with lightning_ampzero: "
-            + "; ".join(f"{k} ({r})" for k, r in result.no_effect) + "."
-        )
+    parts = []
+    if result.no_effect:
+        parts.append(f"{len(result.no_effect)} key(s) have no effect with lightning_ampzero: "
+                     + "; ".join(f"{k} ({r})" for k, r in result.no_effect) + ".")
+    if result.notes:
+        parts.append("Read differently from DeepSpeed: " + "; ".join(f"{k}: {r}" for k, r in result.notes) + ".")
+    if warn and parts:
+        _warn(f"DeepSpeed config {source}: " + " ".join(parts))
     return result

@@ -1,14 +1,17 @@
 """The config schema of ``ampzero-train``, registered in Hydra's ConfigStore.
 
-Every node of the composed config is typed by a frozen dataclass of the one schema:
-``strategy`` by :class:`~lightning_ampzero.config.ZeroConfig`, ``precision`` by
-:class:`~lightning_ampzero.config.PrecisionConfig` (the two halves of ``AmpZeroConfig``),
-``model`` by ``GPTConfig``, ``data`` by ``DataConfig``, ``optim`` / ``scheduler`` by the
-DeepSpeed-section configs, and ``trainer`` / ``run`` by the two classes below. Hydra cannot
-take these classes as they are (they are frozen, so OmegaConf would make them read-only, and
-they hold tuples), so :func:`structured` derives a plain, mutable twin of each, field for field,
-with the same name and defaults. Nothing is written twice: a field added to ``ZeroConfig``
-is a config key at once.
+Every node of the composed config is typed by a frozen dataclass of the one schema. The
+strategy's five nodes are the five fields of ``AmpZeroConfig``: ``strategy`` is its ``zero``
+(:class:`~lightning_ampzero.config.ZeroConfig`), ``precision``
+(:class:`~lightning_ampzero.config.PrecisionConfig`), ``offload``
+(:class:`~lightning_ampzero.config.OffloadConfig`), ``activation_checkpointing``
+(:class:`~lightning_ampzero.config.ActivationCheckpointingConfig`) and ``fp8``
+(:class:`~lightning_ampzero.config.Fp8Config`); ``model`` by ``GPTConfig``, ``data`` by
+``DataConfig``, ``optim`` / ``scheduler`` by the DeepSpeed-section configs, and ``trainer`` /
+``run`` by the two classes below. Hydra cannot take these classes as they are (they are frozen,
+so OmegaConf would make them read-only, and they hold tuples), so :func:`structured` derives a
+plain, mutable twin of each, field for field, with the same name and defaults. Nothing is
+written twice: a field added to ``ZeroConfig`` is a config key at once.
 
 Validation happens in two layers, both before any training process starts:
 
@@ -20,7 +23,10 @@ Validation happens in two layers, both before any training process starts:
 
 The config groups (``conf/<group>/*.yaml``) each name their group's schema as their base
 (``defaults: [/schema/<group>@_here_, _self_]``), Hydra's documented pattern, so an option
-file with a misspelt key fails when it is composed, whatever primary config uses it.
+file with a misspelt key fails when it is composed, whatever primary config uses it. The
+strategy options that also set ``offload`` (``zero3_offload``, ...) are ``# @package _global_``
+files extending a plain strategy option at ``@strategy``; ``offload`` itself is typed by the
+primary schema (docs/configuration.md says why offload is not a group of its own).
 """
 
 from __future__ import annotations
@@ -35,7 +41,14 @@ from pathlib import Path
 from typing import Any, List, Mapping, Optional, Union
 
 from lightning_ampzero._schema import check_choice, check_number, config_from_dict
-from lightning_ampzero.config import AmpZeroConfig, PrecisionConfig, ZeroConfig
+from lightning_ampzero.config import (
+    ActivationCheckpointingConfig,
+    AmpZeroConfig,
+    Fp8Config,
+    OffloadConfig,
+    PrecisionConfig,
+    ZeroConfig,
+)
 from lightning_ampzero.data.text import DataConfig
 from lightning_ampzero.deepspeed import OptimizerConfig, SchedulerConfig
 
@@ -175,6 +188,12 @@ class TrainAppConfig:
     seed: int = 1234
     strategy: ZeroConfig = field(default_factory=ZeroConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    # Offload is a node, not a group: the strategy group's *_offload / *_nvme options set it
+    # (conf/strategy/zero3_offload.yaml); docs/configuration.md ("Offload, activation
+    # checkpointing and FP8") says why.
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config.off)
     model: Any = field(default_factory=_default_model)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -189,11 +208,17 @@ class TrainAppConfig:
                 f"data.block_size={self.data.block_size} exceeds model.block_size={self.model.block_size}:"
                 " the model has no position embedding beyond it. Lower data.block_size or raise model.block_size."
             )
+        try:
+            self.amp_config  # AmpZeroConfig's cross-field checks (offload needs a stage ...), before anything starts
+        except ValueError as e:
+            raise ValueError(_as_written(str(e), "strategy")) from None
 
     @property
     def amp_config(self) -> AmpZeroConfig:
-        """The strategy's config: the ``strategy`` and ``precision`` groups."""
-        return AmpZeroConfig(zero=self.strategy, precision=self.precision)
+        """The strategy's config: the ``strategy``, ``precision``, ``offload``, ``activation_checkpointing``
+        and ``fp8`` nodes."""
+        return AmpZeroConfig(zero=self.strategy, precision=self.precision, fp8=self.fp8,
+                             activation_checkpointing=self.activation_checkpointing, offload=self.offload)
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
@@ -204,6 +229,9 @@ def _node_types() -> dict[str, type]:
     return {
         "strategy": ZeroConfig,
         "precision": PrecisionConfig,
+        "offload": OffloadConfig,
+        "activation_checkpointing": ActivationCheckpointingConfig,
+        "fp8": Fp8Config,
         "model": _model_config_class(),
         "data": DataConfig,
         "trainer": TrainerConfig,
@@ -214,7 +242,7 @@ def _node_types() -> dict[str, type]:
 
 
 #: Config groups with option files in conf/ (each has a schema registered as /schema/<group>).
-GROUPS = ("strategy", "precision", "model", "data", "trainer")
+GROUPS = ("strategy", "precision", "activation_checkpointing", "fp8", "model", "data", "trainer")
 
 
 def _plain(value: Any) -> Any:
@@ -363,10 +391,7 @@ def typed_config(cfg: Any) -> TrainAppConfig:
         try:
             kwargs[name] = config_from_dict(types_[name], value, path=name)
         except (ValueError, TypeError) as e:
-            message = str(e)
-            # The typed configs name their own sections ("zero.stage"); say it as the user wrote it.
-            for section, node in _SECTION_NAMES.get(name, ()):
-                message = re.sub(rf"(?<![\w.]){re.escape(section)}\.", f"{node}.", message)
+            message = _as_written(str(e), name)
             raise ValueError(f"Invalid value in config group '{name}' ({types_[name].__name__}): {message}") from None
     return TrainAppConfig(**kwargs)
 
@@ -376,6 +401,13 @@ _SECTION_NAMES = {
     "strategy": (("zero", "strategy"),),
     "precision": (("loss_scaler", "precision.loss_scaler"),),
 }
+
+
+def _as_written(message: str, node: str) -> str:
+    """The typed configs name their own sections ("zero.stage"); say it as the user wrote it."""
+    for section, path in _SECTION_NAMES.get(node, ()):
+        message = re.sub(rf"(?<![\w.]){re.escape(section)}\.", f"{path}.", message)
+    return message
 
 
 def _did_you_mean(key: str, allowed: Any) -> str:
@@ -416,13 +448,21 @@ def explain_error(exc: BaseException) -> Optional[str]:
             kind = getattr(getattr(err, "object_type", None), "__name__", None)
             schema = f" ({kind})" if kind else ""
             return (f"Unknown config key '{full_key}': {owner}{schema} has no key '{key}'."
-                    f"{_did_you_mean(key, candidates)}"
+                    f"{_did_you_mean(key, candidates)}{_elsewhere(key, where)}"
                     + (f" Keys: {', '.join(sorted(candidates))}." if candidates else ""))
         if isinstance(err, ValidationError):
             full_key = getattr(err, "full_key", None)
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             return f"Invalid value for '{full_key}': {first}"
     return None
+
+
+def _elsewhere(key: str, where: str) -> str:
+    """" It is a key of 'offload' (offload.offload_optimizer)." when another top-level node has ``key``
+    (``strategy.offload_optimizer=cpu``: DeepSpeed nests offload under zero_optimization, we do not)."""
+    nodes = [name for name, cls in _node_types().items()
+             if name != where and dataclasses.is_dataclass(cls) and key in {f.name for f in dataclasses.fields(cls)}]
+    return f" It is a key of '{nodes[0]}': {nodes[0]}.{key}." if len(nodes) == 1 else ""
 
 
 def _keys_of(object_type: Any, parent: Any) -> list[str]:

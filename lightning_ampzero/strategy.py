@@ -116,6 +116,11 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
     return cfg, imported
 
 
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 class AmpZeroStrategy(ParallelStrategy):
     """ZeRO stages 0-3 on FSDP2 for Lightning, configured by one typed schema.
 
@@ -218,7 +223,15 @@ class AmpZeroStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.config.zero.timeout_s)}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        created = not torch.distributed.is_initialized()
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        if created:
+            # The process group outlives fit() (later fits/tests reuse it); at interpreter exit an
+            # undestroyed gloo group can abort with "terminate called without an active exception"
+            # while its threads are torn down. Destroying it is local (no collective).
+            import atexit
+
+            atexit.register(_destroy_process_group)
         from torch.distributed.device_mesh import init_device_mesh
 
         self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))

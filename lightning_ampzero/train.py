@@ -418,6 +418,21 @@ def build_module(app: TrainAppConfig) -> Any:
     return TrainModule(model=app.model, lr=app.optim.lr, weight_decay=app.optim.weight_decay, betas=app.optim.betas)
 
 
+def _final_checkpoint(path: Path) -> Any:
+    """A callback saving the resumable checkpoint (optimizer and loops too) at the end of training.
+
+    In ``on_train_end``, not after ``fit()``: the strategy's teardown frees offloaded optimizer
+    state (host buffers, NVMe swap files), so a save after ``fit()`` would have none to save.
+    """
+    from lightning.pytorch.callbacks import Callback
+
+    class FinalCheckpoint(Callback):
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            trainer.save_checkpoint(path, weights_only=False)
+
+    return FinalCheckpoint()
+
+
 def train(app: TrainAppConfig, job_dir: Path) -> Optional[dict[str, Any]]:
     """Train in this process (one rank). Returns the summary on global rank 0, else None."""
     import torch
@@ -436,10 +451,14 @@ def train(app: TrainAppConfig, job_dir: Path) -> Optional[dict[str, Any]]:
     from lightning_ampzero.estimate import gpt_activations
 
     summary_cb = SummaryCallback(app, job_dir)
+    ac = app.activation_checkpointing
+    # The estimate knows "none" and "full" of every block; other choices are shown against "none".
+    every_block = ac.mode == "full" and ac.every_n == 1 and ac.number_checkpoints is None and not ac.modules
     memory = MemoryReport(
         log_every_n_steps=50, print_table=False,
         activation_estimate=gpt_activations(app.model, app.data.batch_size, app.data.block_size,
                                             precision=app.precision.precision or "32-true"),
+        checkpointing="full" if every_block else "none",
     )
     callbacks: list[Any] = [summary_cb, memory]
     if app.trainer.enable_progress_bar:
@@ -448,6 +467,9 @@ def train(app: TrainAppConfig, job_dir: Path) -> Optional[dict[str, Any]]:
         callbacks.append(RichProgressBar(leave=True))
     periodic = app.run.checkpoint and app.run.checkpoint_every_n_steps is not None
     ckpt_dir = job_dir / "checkpoints"
+    final_ckpt = ckpt_dir / "last.ckpt" if app.run.checkpoint else None
+    if final_ckpt is not None:
+        callbacks.append(_final_checkpoint(final_ckpt))
     if periodic:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -473,10 +495,6 @@ def train(app: TrainAppConfig, job_dir: Path) -> Optional[dict[str, Any]]:
         enable_checkpointing=periodic,
     )
     trainer.fit(build_module(app), datamodule=TextDataModule(app.data), ckpt_path=app.run.ckpt_path)
-    final_ckpt = None
-    if app.run.checkpoint:
-        final_ckpt = ckpt_dir / "last.ckpt"
-        trainer.save_checkpoint(final_ckpt, weights_only=False)  # resumable: optimizer and loops too
     if not trainer.is_global_zero:
         return None
     summary = summary_cb.summary

@@ -9,6 +9,7 @@ pytest).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,7 +24,13 @@ import torch
 import yaml
 
 from lightning_ampzero.cli.config import main as config_main
-from lightning_ampzero.config import LossScalerConfig, ZeroConfig
+from lightning_ampzero.config import (
+    ActivationCheckpointingConfig,
+    Fp8Config,
+    LossScalerConfig,
+    OffloadConfig,
+    ZeroConfig,
+)
 from lightning_ampzero.deepspeed import (
     DeepSpeedConfigError,
     DeepSpeedConfigWarning,
@@ -63,10 +70,16 @@ def test_zero1_fp16_warmupdecay():
                                           warmup_num_steps=5, total_num_steps=100)
 
 
-def test_zero_r_activation_checkpointing_is_listed_as_no_effect():
+def test_zero_r_activation_checkpointing_turns_on_full_checkpointing():
     r = _convert(CONFIGS / "zero_r_activation_checkpointing.json")
     assert r.config.zero.stage == 2 and r.config.precision.precision is None
-    assert "activation_checkpointing" in dict(r.no_effect)
+    # The section's settings, with full checkpointing of the repeated blocks (a note says so).
+    assert r.config.activation_checkpointing == ActivationCheckpointingConfig(
+        mode="full", number_checkpoints=4, cpu_checkpointing=True, contiguous_memory_optimization=True)
+    assert "deepspeed.checkpointing.checkpoint" in dict(r.notes)["activation_checkpointing"]
+    # Splitting checkpoints across tensor-parallel ranks saves nothing on a data-parallel mesh.
+    assert "activation_checkpointing.partition_activations" in dict(r.no_effect)
+    assert "activation_checkpointing" not in dict(r.no_effect)
 
 
 def test_zero3_cpu_offload():
@@ -75,10 +88,11 @@ def test_zero3_cpu_offload():
     assert (z.stage, z.reduce_bucket_size, z.prefetch_bucket_size, z.param_persistence_threshold) == (3, 1e6, 1e6, 1e4)
     assert r.trainer["accumulate_grad_batches"] == 2
     assert r.scheduler.type == "WarmupLR" and r.scheduler.total_num_steps is None
+    assert r.config.offload == OffloadConfig(offload_optimizer="cpu", offload_param="cpu", pin_memory=True,
+                                             sub_group_size=1e9)
     no_effect = dict(r.no_effect)
-    for key in ("zero_optimization.offload_optimizer", "zero_optimization.offload_param",
-                "zero_optimization.sub_group_size", "zero_optimization.stage3_max_live_parameters"):
-        assert key in no_effect
+    assert "zero_optimization.stage3_max_live_parameters" in no_effect
+    assert not [k for k in no_effect if "offload" in k or "sub_group_size" in k]
 
 
 def test_zero3_infinity_auto_values_take_defaults():
@@ -91,7 +105,14 @@ def test_zero3_infinity_auto_values_take_defaults():
         assert key in r.auto
     assert r.optimizer_auto == ("lr", "betas", "eps", "weight_decay")
     assert r.scheduler.warmup_max_lr is None  # = the optimizer's lr
-    assert {"aio", "zero_optimization.offload_param"} <= set(dict(r.no_effect))
+    # ZeRO-Infinity: optimizer state to NVMe with its buffers and aio's thread count; parameter
+    # swapping to NVMe does not exist here, so parameters go to host memory (a note says so).
+    assert r.config.offload == OffloadConfig(offload_optimizer="nvme", offload_param="cpu", nvme_path="/local_nvme",
+                                             buffer_count=4, sub_group_size=1e9, io_threads=1)
+    assert "offload_param='cpu' is used" in dict(r.notes)["zero_optimization.offload_param.device"]
+    no_effect = dict(r.no_effect)
+    assert "aio.block_size/queue_depth/overlap_events" in no_effect
+    assert "zero_optimization.offload_param.nvme_path/buffer_count/buffer_size/max_in_cpu" in no_effect
 
 
 def test_fp16_auto_cast_with_adam_section():
@@ -101,6 +122,48 @@ def test_fp16_auto_cast_with_adam_section():
     assert r.config.precision.loss_scaler.initial_scale_power == 12
     assert r.optimizer.type == "AdamW" and r.optimizer.weight_decay == 0.1
     assert "optimizer.params.torch_adam" in dict(r.no_effect)
+
+
+# ---------------------------------------------------------------------------------------
+# Feature sections: offload, aio, activation_checkpointing, msamp
+# ---------------------------------------------------------------------------------------
+
+
+def test_offload_sections_map_to_offload_config():
+    r = _convert({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False,
+                                                                           "nvme_path": "/unused", "ratio": 0.5}}})
+    assert r.config.offload == OffloadConfig(offload_optimizer="cpu", pin_memory=False)
+    no_effect = dict(r.no_effect)
+    assert "only used with device 'nvme'" in no_effect["zero_optimization.offload_optimizer.nvme_path"]
+    assert "partial offload" in no_effect["zero_optimization.offload_optimizer.ratio"]
+    # DeepSpeed's legacy spelling of the same switches.
+    legacy = _convert({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_params": True,
+                                             "cpu_offload_use_pin_memory": False}})
+    assert legacy.config.offload == OffloadConfig(offload_optimizer="cpu", offload_param="cpu", pin_memory=False)
+    # Without optimizer offload, sub_group_size and aio change nothing: listed, not set.
+    plain = _convert({"zero_optimization": {"stage": 3, "sub_group_size": 1e9}, "aio": {"thread_count": 4}})
+    assert plain.config.offload == OffloadConfig()
+    assert {"zero_optimization.sub_group_size", "aio"} <= set(dict(plain.no_effect))
+
+
+def test_msamp_section_turns_on_fp8():
+    r = _convert({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+                  "msamp": {"enabled": True, "opt_level": "O2"}})
+    assert r.config.fp8 == Fp8Config(msamp="O2")
+    assert r.config.precision.precision == "bf16-mixed"
+    assert "msamp" in dict(r.notes)
+    assert r.hydra_groups()["fp8"] == "tensorwise" and "fp8.msamp=O2" in r.hydra_overrides()
+    assert _convert({"msamp": {"enabled": False, "opt_level": "O2"}}).config.fp8 == Fp8Config.off()
+
+
+def test_feature_sections_take_effect_in_the_strategy():
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    with pytest.warns(DeepSpeedConfigWarning, match="turns on full checkpointing"):
+        s = AmpZeroStrategy(config={"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+                                    "activation_checkpointing": {"cpu_checkpointing": True}})
+    assert s.config.offload.offload_optimizer == "cpu"
+    assert s.config.activation_checkpointing == ActivationCheckpointingConfig(mode="full", cpu_checkpointing=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -137,6 +200,18 @@ def test_unknown_keys_fail_with_path_and_suggestion(config, expected):
         ({"scheduler": {"type": "OneCycle", "params": {}}}, "configure it in your LightningModule"),
         ({"zero_optimization": {"offload_param": {"device": "gpu"}}}, "'none', 'cpu', 'nvme'"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be a whole number >= 1"),
+        ({"msamp": {"enabled": True, "opt_level": "O3"}}, "Allowed values: 'O1', 'O2'"),
+        ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+         "needs zero.stage 1, 2 or 3"),
+        ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs zero.stage=3"),
+        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x",
+                                                                  "buffer_count": 2}}},
+         "offload.buffer_count must be >= 3, got 2. (from the DeepSpeed keys"
+         " zero_optimization.offload_optimizer.buffer_count)"),
+        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                "offload_param": {"device": "cpu", "pin_memory": False}}}, "one setting for both"),
+        ({"activation_checkpointing": {"number_checkpoints": 0}},
+         "activation_checkpointing.number_checkpoints must be >= 1"),
     ],
 )
 def test_bad_values_fail_naming_the_allowed_ones(config, expected):
@@ -159,7 +234,8 @@ def test_no_effect_keys_are_listed_in_exactly_one_warning():
     ours = [w for w in caught if issubclass(w.category, DeepSpeedConfigWarning)]
     assert len(ours) == 1
     message = str(ours[0].message)
-    assert "zero_optimization.overlap_comm" in message and "zero_optimization.offload_param" in message
+    assert "zero_optimization.overlap_comm" in message and "zero_optimization.stage3_max_live_parameters" in message
+    assert "zero_optimization.offload" not in message  # mapped: offload_optimizer / offload_param take effect
     assert "zero_optimization.stage" + " " not in message  # mapped keys are not listed
 
 
@@ -333,6 +409,22 @@ def test_hydra_overrides_compose_to_the_same_strategy_config(name):
         assert app.data.batch_size == r.micro_batch(2)
     if "gradient_clip_val" in r.trainer:
         assert app.trainer.gradient_clip_val == r.trainer["gradient_clip_val"]
+    assert (app.offload, app.activation_checkpointing, app.fp8) == (
+        r.config.offload, r.config.activation_checkpointing, r.config.fp8)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.json")))
+def test_hydra_yaml_composes_to_the_same_strategy_config(name, tmp_path):
+    from lightning_ampzero.train import compose_typed
+
+    r = _convert(CONFIGS / name)
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "ds.yaml").write_text(r.hydra_yaml("ds", world_size=2))
+    app = compose_typed(["experiment=ds"], config_dir=str(tmp_path))
+    expected = r.config
+    if expected.precision.precision is None:  # "auto": the app's default precision group
+        expected = dataclasses.replace(expected, precision=dataclasses.replace(expected.precision, precision="32-true"))
+    assert app.amp_config == expected
 
 
 def test_cli_prints_overrides_and_yaml_that_composes(tmp_path, capsys):
@@ -366,11 +458,11 @@ def test_cli_reports_unknown_keys(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------
 
 
-def _train(configs: list[Path], tmp_path: Path, steps: int = 6) -> dict:
+def _train(configs: list[Path], tmp_path: Path, steps: int = 6, extra: tuple[str, ...] = ()) -> dict:
     out = tmp_path / "results.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), *map(str, configs), "--steps", str(steps), "--out", str(out)],
+        [sys.executable, str(EXAMPLE), *map(str, configs), "--steps", str(steps), "--out", str(out), *extra],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420,
     )
     assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -379,16 +471,25 @@ def _train(configs: list[Path], tmp_path: Path, steps: int = 6) -> dict:
 
 def test_fp32_tutorial_configs_train_on_two_processes(tmp_path):
     names = ["zero_r_activation_checkpointing.json", "zero3_cpu_offload.json", "zero3_infinity_nvme_auto.json"]
-    results = _train([CONFIGS / n for n in names], tmp_path)
+    nvme = tmp_path / "nvme"  # the Infinity config's nvme_path (/local_nvme) does not exist here
+    nvme.mkdir()
+    results = _train([CONFIGS / n for n in names], tmp_path, extra=("--nvme-path", str(nvme)))
     for name in names:
         r = results[str(CONFIGS / name)]
         assert "error" not in r, f"{name}: {r.get('error')}"
         assert r["optimizer"] == "AdamW"  # from the config's optimizer section
         assert r["optimizer_steps"] == 6 and r["losses"][-1] < r["losses"][0]
+    # The features ran: the blocks were checkpointed, the optimizer stepped offloaded.
+    zero_r = results[str(CONFIGS / "zero_r_activation_checkpointing.json")]
+    assert zero_r["checkpointed_blocks"] == ["model.blocks.0", "model.blocks.1"] and zero_r["lr_schedulers"] == []
     offload = results[str(CONFIGS / "zero3_cpu_offload.json")]
     assert offload["stage"] == 3 and offload["accumulate_grad_batches"] == 2 and offload["gradient_clip_val"] == 1.0
     assert offload["lr_schedulers"] == ["WarmupDecayLR"]
-    assert results[str(CONFIGS / "zero_r_activation_checkpointing.json")]["lr_schedulers"] == []
+    assert offload["optimizer_wrapper"] == "OffloadedAdam" and offload["offload"]["optimizer"] == "cpu"
+    infinity = results[str(CONFIGS / "zero3_infinity_nvme_auto.json")]
+    assert infinity["optimizer_wrapper"] == "OffloadedAdam"
+    assert infinity["offload"] == {"optimizer": "nvme", "param": "cpu", "nvme_path": str(nvme)}
+    assert list(nvme.iterdir()) == []  # the swap files were deleted at teardown
 
 
 def test_fp16_tutorial_configs_train_on_two_processes(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ampzero.config import AmpZeroConfig, LossScalerConfig, PrecisionConfig, ZeroConfig
+from lightning_ampzero.config import (
+    ActivationCheckpointingConfig,
+    AmpZeroConfig,
+    Fp8Config,
+    LossScalerConfig,
+    OffloadConfig,
+    PrecisionConfig,
+    ZeroConfig,
+)
 from lightning_ampzero.hydra_schema import GROUPS, TrainAppConfig, conf_dir, structured, typed_config
 from lightning_ampzero.train import ConfigError, compose, compose_typed, preflight
 
@@ -78,6 +87,9 @@ def test_default_config_is_stage2_on_two_cpu_processes_with_the_shipped_corpus()
     assert app.data.path is None and app.data.file.is_file() and app.data.file.stat().st_size > 200_000
     assert app.data.block_size == app.model.block_size  # interpolated from the model group
     assert app.amp_config == AmpZeroConfig(zero=ZeroConfig(stage=2), precision=PrecisionConfig(precision="32-true"))
+    # No offload, no activation checkpointing, no FP8 unless asked for.
+    assert (app.offload, app.activation_checkpointing, app.fp8) == (
+        OffloadConfig(), ActivationCheckpointingConfig(), Fp8Config.off())
 
 
 def test_group_defaults_follow_the_selected_model():
@@ -108,6 +120,9 @@ def test_every_group_has_options():
     assert {"zero0", "zero1", "zero2", "zero3"} <= set(_options("strategy"))
     assert {"32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"} <= set(_options("precision"))
     assert {"cpu", "gpu", "slurm", "multinode"} <= set(_options("trainer"))
+    assert {"zero2_offload", "zero3_offload", "zero3_nvme"} <= set(_options("strategy"))
+    assert set(_options("activation_checkpointing")) == {"none", "full", "cpu", "selective"}
+    assert set(_options("fp8")) == {"none", "tensorwise", "delayed", "rowwise", "msamp_o1", "msamp_o2"}
 
 
 @pytest.mark.parametrize(("group", "option"), _all_options())
@@ -122,6 +137,9 @@ def test_every_option_composes_and_instantiates(group, option, tmp_path):
     assert isinstance(app, TrainAppConfig)
     strategy = AmpZeroStrategy(config=app.amp_config)
     assert strategy.config == app.amp_config
+    # The feature nodes reach the strategy as the typed configs (what train.py passes it).
+    assert (strategy.config.offload, strategy.config.activation_checkpointing, strategy.config.fp8) == (
+        app.offload, app.activation_checkpointing, app.fp8)
     try:
         plugin = AmpZeroPrecision(config=app.precision)
     except ValueError as e:
@@ -146,11 +164,63 @@ def test_every_option_composes_and_instantiates(group, option, tmp_path):
 
 def test_option_files_name_their_group_schema():
     # Hydra's documented pattern: each option file extends /schema/<group>, so a typo in it
-    # fails when it is composed, whatever primary config uses it.
+    # fails when it is composed, whatever primary config uses it. The strategy options that also
+    # set `offload` are global packages: they extend another option of their group (which extends
+    # the schema) at the group's package.
     for group in GROUPS:
         for option in _options(group):
             text = (CONF / group / f"{option}.yaml").read_text()
-            assert f"/schema/{group}@_here_" in text, f"conf/{group}/{option}.yaml does not extend /schema/{group}"
+            if text.startswith("# @package _global_"):
+                base = re.search(rf"^  - /{group}/(\w+)@{group}$", text, re.MULTILINE)
+                assert base, f"conf/{group}/{option}.yaml (a global package) must extend /{group}/<option>@{group}"
+                assert f"/schema/{group}@_here_" in (CONF / group / f"{base.group(1)}.yaml").read_text()
+            else:
+                assert f"/schema/{group}@_here_" in text, f"conf/{group}/{option}.yaml does not extend /schema/{group}"
+
+
+@pytest.mark.parametrize("name", ["ampzero_stage_2_offload", "ampzero_stage_3_offload", "ampzero_stage_3_offload_nvme"])
+def test_offload_strategy_options_match_the_registered_strategy_names(name):
+    from lightning_ampzero._registry import STRATEGY_VARIANTS
+
+    option = {"ampzero_stage_2_offload": "zero2_offload", "ampzero_stage_3_offload": "zero3_offload",
+              "ampzero_stage_3_offload_nvme": "zero3_nvme"}[name]
+    app = compose_typed([f"strategy={option}"])
+    params = STRATEGY_VARIANTS[name][1]
+    assert app.strategy == compose_typed([f"strategy=zero{params['stage']}"]).strategy  # the base option's values
+    assert (app.offload.offload_optimizer, app.offload.offload_param) == (
+        params.get("offload_optimizer", "none"), params.get("offload_param", "none"))
+    # Choosing another strategy option drops the offload settings with it.
+    assert compose_typed([f"strategy={option}", "strategy=zero3"]).offload == OffloadConfig()
+
+
+def test_offload_options_take_overrides_of_both_nodes(tmp_path):
+    app = compose_typed(["strategy=zero3_nvme", f"offload.nvme_path={tmp_path}", "offload.buffer_count=9",
+                         "strategy.reduce_bucket_size=5e5"])
+    assert app.offload == OffloadConfig(offload_optimizer="nvme", offload_param="cpu", nvme_path=str(tmp_path),
+                                        buffer_count=9)
+    assert app.strategy.stage == 3 and app.strategy.reduce_bucket_size == 5e5
+    # Offload without a preset: any stage >= 1.
+    app = compose_typed(["strategy=zero1", "offload.offload_optimizer=cpu"])
+    assert app.amp_config.offload == OffloadConfig(offload_optimizer="cpu")
+
+
+def test_feature_options_are_the_typed_configs_they_name():
+    # ampzero-config from-deepspeed writes `activation_checkpointing=<mode>` / `fp8=<recipe>` plus the
+    # values that differ from these: the option files must hold exactly the named config.
+    for mode in ("none", "full", "selective"):
+        assert compose_typed([f"activation_checkpointing={mode}"]).activation_checkpointing == \
+            ActivationCheckpointingConfig(mode=mode)
+    assert compose_typed(["activation_checkpointing=cpu"]).activation_checkpointing == ActivationCheckpointingConfig(
+        mode="full", cpu_checkpointing=True, contiguous_memory_optimization=True)
+    for recipe in ("tensorwise", "delayed", "rowwise"):
+        assert compose_typed([f"fp8={recipe}"]).fp8 == Fp8Config(recipe=recipe)
+    assert compose_typed(["fp8=none"]).fp8 == Fp8Config.off()
+    assert compose_typed(["fp8=msamp_o1"]).fp8 == Fp8Config(msamp="O1")
+    assert compose_typed(["fp8=msamp_o2"]).fp8 == Fp8Config(msamp="O2")
+    app = compose_typed(["precision=bf16-mixed", "fp8=delayed", "fp8.min_features=0", "activation_checkpointing=full",
+                         "activation_checkpointing.every_n=2"])
+    assert app.amp_config.fp8 == Fp8Config(recipe="delayed", min_features=0)
+    assert app.amp_config.activation_checkpointing == ActivationCheckpointingConfig(mode="full", every_n=2)
 
 
 # ---------------------------------------------------------------------------------------
@@ -169,7 +239,8 @@ def _field_names(cls: type) -> dict[str, object]:
     return out
 
 
-@pytest.mark.parametrize("cls", [TrainAppConfig, ZeroConfig, PrecisionConfig, LossScalerConfig])
+@pytest.mark.parametrize("cls", [TrainAppConfig, ZeroConfig, PrecisionConfig, LossScalerConfig, OffloadConfig,
+                                 ActivationCheckpointingConfig, Fp8Config])
 def test_structured_twin_has_the_fields_of_the_typed_dataclass(cls):
     twin = structured(cls)
     assert twin.__name__ == cls.__name__
@@ -194,9 +265,18 @@ def test_typed_config_round_trips_through_plain_dict():
         ("precision.loss_scaler.hysterisis=3", ["precision.loss_scaler.hysterisis", "Did you mean 'hysteresis'"]),
         ("traner.devices=3", ["traner", "Did you mean 'trainer'"]),
         ("trainer.devises=2", ["trainer.devises", "Did you mean 'devices'"]),
-        ("strategy=zero4", ["'zero4'", "config group 'strategy'", "Did you mean 'zero3'", "zero0, zero1, zero2, zero3"]),
+        ("strategy=zero4", ["'zero4'", "config group 'strategy'", "Did you mean 'zero3'",
+                           "zero0, zero1, zero2, zero2_offload, zero3, zero3_nvme, zero3_offload"]),
         ("precision=16-mxed", ["'16-mxed'", "Did you mean '16-mixed'"]),
         ("strategy.stage=abc", ["strategy.stage", "'abc'"]),
+        ("strategy.offload_optimizer=cpu", ["strategy.offload_optimizer", "It is a key of 'offload'",
+                                            "offload.offload_optimizer"]),
+        ("offload.nvme_pth=/x", ["offload.nvme_pth", "Did you mean 'nvme_path'"]),
+        ("strategy=zero3_ofload", ["'zero3_ofload'", "Did you mean 'zero3_offload'"]),
+        ("activation_checkpointing=ful", ["'ful'", "config group 'activation_checkpointing'", "Did you mean 'full'"]),
+        ("activation_checkpointing.evry_n=2", ["activation_checkpointing.evry_n", "Did you mean 'every_n'"]),
+        ("fp8=tensorwse", ["'tensorwse'", "Did you mean 'tensorwise'", "msamp_o1, msamp_o2"]),
+        ("fp8.amax_histroy_len=8", ["fp8.amax_histroy_len", "Did you mean 'amax_history_len'"]),
     ],
 )
 def test_composition_errors_name_the_key_and_suggest(override, expected):
@@ -215,6 +295,10 @@ def test_composition_errors_name_the_key_and_suggest(override, expected):
         ("run.launcher=srun", ["run.launcher='srun'", "'auto', 'local', 'external'"]),
         ("data.corpus=hamlet", ["data.corpus='hamlet'", "'shakespeare'"]),
         ("model.block_size=16", ["data.block_size", "model.block_size=16"]),
+        ("offload.offload_optimizer=disk", ["offload.offload_optimizer='disk'", "'none', 'cpu', 'nvme'"]),
+        ("fp8.recipe=fast", ["fp8.recipe='fast'", "'tensorwise', 'delayed', 'rowwise'"]),
+        ("activation_checkpointing.cpu_checkpointing=true", ["activation_checkpointing.cpu_checkpointing",
+                                                              "mode='none'"]),
     ],
 )
 def test_bad_values_name_the_allowed_ones(override, expected):
@@ -224,6 +308,21 @@ def test_bad_values_name_the_allowed_ones(override, expected):
         override_list = [override]
     with pytest.raises(ConfigError) as info:
         compose_typed(override_list)
+    for part in expected:
+        assert part in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["strategy=zero0", "offload.offload_optimizer=cpu"], ["offload.offload_optimizer='cpu'", "strategy.stage"]),
+        (["strategy=zero2_offload", "offload.offload_param=cpu"], ["offload.offload_param='cpu'", "strategy.stage=3"]),
+        (["fp8=msamp_o1", "fp8.recipe=rowwise"], ["fp8.msamp='O1'", "recipe='rowwise'"]),
+    ],
+)
+def test_contradicting_nodes_fail_before_anything_starts(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        compose_typed(overrides)
     for part in expected:
         assert part in str(info.value), str(info.value)
 

@@ -152,6 +152,20 @@ def test_unsupported_optimizers_are_refused():
         OffloadedAdam(torch.optim.AdamW(model.parameters(), amsgrad=True), OffloadConfig(offload_optimizer="cpu"))
 
 
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_closed_optimizer_says_why_it_has_no_state(kind, tmp_path):
+    # The strategy closes it at teardown (end of fit): a checkpoint saved after fit() must say so,
+    # not fail on an emptied store.
+    model = _model()
+    opt = _offloaded(model, kind, tmp_path)
+    _train(model, opt, steps=1)
+    assert opt.state_dict()["state"]
+    opt.close()
+    for call in (opt.state_dict, opt.step):
+        with pytest.raises(RuntimeError, match="after close.*Save the checkpoint during fit"):
+            call()
+
+
 def test_nvme_resident_memory_and_errors(tmp_path):
     r = run_json("offload_nvme.py", tmp_path / "nvme.json", timeout=300)
     cpu, nvme = r["resident"]["cpu"], r["resident"]["nvme"]

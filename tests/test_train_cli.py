@@ -99,6 +99,25 @@ def test_stage3_fp16_run_reports_loss_scale(tmp_path):
     assert resolved["strategy"]["reduce_bucket_size"] == 5e4
 
 
+def test_offload_activation_checkpointing_and_fp8_run(tmp_path):
+    """The feature groups through ampzero-train: ZeRO-3 with CPU offload, full activation
+    checkpointing and FP8 (tensorwise) on bf16 autocast. The tiny model's Linear layers are 64-256
+    wide, below fp8.min_features' default (1024), hence min_features=0."""
+    proc = _run(["strategy=zero3_offload", "activation_checkpointing=full", "precision=bf16-mixed", "fp8=tensorwise",
+                 "fp8.min_features=0", *QUICK], tmp_path)
+    assert proc.returncode == 0, _output(proc)
+    jobs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(jobs) == 1
+    summary = _check_job_dir(jobs[0], stage=3, steps=20)  # finished, loss fell by > 0.5, checkpoint written
+    assert summary["precision"] == "bf16-mixed"
+    features = summary["features"]  # measured in the training processes, not read from the config
+    assert features["optimizers"] == ["OffloadedAdam"]  # the host step over offloaded Adam state
+    assert features["checkpointed_blocks"] == 2  # experiment=quick: model.n_layer=2
+    assert features["fp8_layers"] == 4 * 2 + 1  # 4 Linear per block + the head
+    assert not features["offload_param_applied"]  # accelerator=cpu: parameters are host memory already
+    assert "memory / fp8" in proc.stdout  # the summary table's row for these features
+
+
 def test_a_failing_rank_stops_the_job(tmp_path):
     """A rank that dies makes the job fail promptly with the rank named (the others are stopped)."""
     start = time.monotonic()

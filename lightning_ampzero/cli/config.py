@@ -4,7 +4,11 @@
 equivalent to a DeepSpeed config; ``--yaml`` prints an experiment file instead, to save as
 ``<config dir>/experiment/<name>.yaml`` and run with
 ``ampzero-train --config-dir <config dir> experiment=<name>``. Keys with no effect here are
-listed on stderr; unknown keys fail with a suggestion (exit status 2).
+listed on stderr, and so are keys read differently from DeepSpeed (notes: e.g. the
+``activation_checkpointing`` section turns on full checkpointing); unknown keys fail with a
+suggestion (exit status 2). Offload settings come out as ``offload.*`` overrides, activation
+checkpointing and FP8 (``msamp``) as their groups (``activation_checkpointing=full``,
+``fp8=tensorwise``) plus the values that differ from the option file.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ def _from_deepspeed(args: argparse.Namespace) -> int:
         return 2
     for key, reason in imported.no_effect:
         print(f"ampzero-config: no effect: {key}: {reason}", file=sys.stderr)
+    for key, reason in imported.notes:
+        print(f"ampzero-config: note: {key}: {reason}", file=sys.stderr)
     for key in imported.auto:
         print(f"ampzero-config: \"auto\": {key} takes ampzero-train's default", file=sys.stderr)
     print(text.rstrip("\n"))

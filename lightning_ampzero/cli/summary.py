@@ -98,6 +98,29 @@ class SummaryCallback(Callback):
             "tokens_per_s": tokens_after / max(seconds) if seconds else None,
             "train_seconds": max(r["train_seconds"] for r in ranks),
             "loss_scale": self._loss_scale(trainer),
+            "features": self._features(trainer, pl_module),
+        }
+
+    def _features(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
+        """The offload / activation-checkpointing / FP8 settings, and what they did on this rank: the optimizer
+        classes, checkpointed blocks and FP8 layers are read from the trained objects, not the config."""
+        from lightning_ampzero.fp8 import Fp8Linear
+
+        app = self.app
+        ac = getattr(trainer.strategy, "activation_checkpointing", None)
+        optimizers = [type(getattr(o, "_optimizer", o)).__name__ for o in trainer.optimizers]
+        return {
+            "offload_optimizer": app.offload.offload_optimizer,
+            "offload_param": app.offload.offload_param,
+            # FSDP2's CPUOffloadPolicy needs an accelerator; on accelerator=cpu the shards are host memory already.
+            "offload_param_applied": app.offload.offload_param != "none" and trainer.strategy.root_device.type != "cpu",
+            "optimizers": optimizers,
+            "activation_checkpointing": app.activation_checkpointing.mode,
+            "checkpointed_blocks": len(ac.blocks) if ac is not None else 0,
+            "cpu_checkpointing": app.activation_checkpointing.cpu_checkpointing,
+            "fp8": app.fp8.recipe if app.fp8.enabled else None,
+            "fp8_msamp": app.fp8.msamp if app.fp8.enabled else None,
+            "fp8_layers": sum(isinstance(m, Fp8Linear) for m in pl_module.modules()),
         }
 
     @staticmethod
@@ -115,6 +138,24 @@ class SummaryCallback(Callback):
             stats.pop("loss_scale", None)
             return stats
         return None
+
+
+def _describe_features(f: dict[str, Any]) -> str:
+    parts = []
+    if f.get("offload_optimizer", "none") != "none":
+        parts.append(f"optimizer state offloaded to {f['offload_optimizer']} ({', '.join(f.get('optimizers', []))})")
+    if f.get("offload_param", "none") != "none":
+        applied = f.get("offload_param_applied", True)
+        why = "" if applied else " (no effect on accelerator=cpu)"
+        parts.append(f"parameters offloaded to {f['offload_param']}{why}")
+    if f.get("activation_checkpointing", "none") != "none":
+        where = ", checkpoints in host memory" if f.get("cpu_checkpointing") else ""
+        parts.append(f"activation checkpointing {f['activation_checkpointing']}"
+                     f" ({f.get('checkpointed_blocks', 0)} blocks{where})")
+    if f.get("fp8"):
+        msamp = f" + MS-AMP {f['fp8_msamp']}" if f.get("fp8_msamp") not in (None, "none") else ""
+        parts.append(f"FP8 {f['fp8']}{msamp} ({f.get('fp8_layers', 0)} Linear layers)")
+    return "; ".join(parts)
 
 
 def _all_gather_object(obj: Any, world_size: int) -> list[Any]:
@@ -147,6 +188,9 @@ def render_summary(summary: dict[str, Any], console: Any = None) -> None:
     table.add_row("strategy", f"ZeRO stage {summary['stage']}, {summary['world_size']} processes"
                   f" ({summary.get('num_nodes', 1)} node(s)), precision {summary['precision']}")
     table.add_row("model", f"{summary['num_params']:,} parameters")
+    features = _describe_features(summary.get("features") or {})
+    if features:
+        table.add_row("memory / fp8", features)
     table.add_row("steps", f"{summary['steps']} optimizer steps, {summary['tokens']:,} tokens")
     if summary.get("loss_first") is not None:
         w = summary.get("loss_window", 1)

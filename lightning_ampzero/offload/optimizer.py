@@ -135,6 +135,7 @@ class OffloadedAdam(Optimizer):
             sizes.append(offset)
         self._offsets = [[off for _, off, _ in entries] for entries in self._layout]
         self._steps: dict[Tensor, Tensor] = {}
+        self._closed = False
         device = next((_local(p).device for p in self._where), torch.device("cpu"))
         # Pinned memory needs an accelerator: pinning fails on a CPU-only machine (FACTS.md).
         self._pin = bool(config.pin_memory and device.type == "cuda")
@@ -176,6 +177,7 @@ class OffloadedAdam(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        self._check_open("step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -284,6 +286,7 @@ class OffloadedAdam(Optimizer):
         return state
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        self._check_open("state_dict()")
         state: dict[int, Any] = {}
         groups = []
         index = 0
@@ -300,6 +303,7 @@ class OffloadedAdam(Optimizer):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        self._check_open("load_state_dict()")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"loaded optimizer state has {len(saved_groups)} parameter groups, this optimizer"
@@ -336,7 +340,17 @@ class OffloadedAdam(Optimizer):
 
     def close(self) -> None:
         """Free host buffers and delete NVMe swap files."""
+        self._closed = True
         self.store.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"OffloadedAdam.{what} after close(): the offloaded optimizer state was freed (and NVMe swap files"
+                " deleted) when the strategy was torn down at the end of trainer.fit(). Save the checkpoint during"
+                " fit instead: a ModelCheckpoint callback, or trainer.save_checkpoint(...) in a callback's"
+                " on_train_end."
+            )
 
 
 def _adam_tile(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
