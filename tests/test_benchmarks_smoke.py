@@ -1,0 +1,80 @@
+"""The benchmark harness (benchmarks/run.py) on a tiny configuration: it runs, its JSON has the
+documented schema, and the parity / formula columns are computed and hold for ampzero.
+
+DeepSpeed is a benchmark-only extra: without it the harness skips its configurations (checked
+here too); with it, the DeepSpeed run is checked like the others.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+from _scripts import ROOT, script_env
+
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def test_benchmark_harness_smoke(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--suite", "smoke", "--out", str(tmp_path),
+           "--stem", "smoke", "--timeout", "240"]
+    if not HAVE_MATPLOTLIB:
+        cmd.append("--no-plots")
+    proc = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "smoke.json").read_text())
+
+    # provenance: machine, date, versions
+    env = result["environment"]
+    assert env["date"] and env["machine"]["cores"] >= 1
+    assert env["versions"]["torch"] and env["versions"]["lightning_ampzero"]
+    assert result["workload"]["world"] == 2 and result["repetitions"] == 1
+
+    configs = result["configs"]
+    expected = {"ddp/s0/32-true", "ampzero/s2/32-true", "fsdp2/s2/32-true"}
+    if HAVE_DEEPSPEED:
+        expected.add("deepspeed/s2/32-true")
+    else:
+        assert result["skipped_without_deepspeed"] == ["deepspeed/s2/32-true"]
+    assert set(configs) == expected
+    w = result["workload"]
+    for name, e in configs.items():
+        assert e["status"] == "ok", (name, e.get("message"), e.get("traceback"))
+        assert e["step_ms"]["min"] <= e["step_ms"]["median"] <= e["step_ms"]["max"]
+        assert e["step_ms"]["n_steps"] == w["steps"]
+        assert e["tokens_per_s"] > 0 and e["cpu_ms"]["median"] > 0
+        assert e["peak_rss"]["max_rank"] > 0 and len(e["peak_rss"]["per_rank"]) == 2
+        assert len(e["losses"]) == w["warmup"] + w["steps"] + 1
+        assert e["numel"] == result["numel"]
+        ms, comm = e["model_state"], e["comm"]
+        assert set(ms["measured"]) == set(ms["formula"]) == {"params", "grads", "optimizer", "total"}
+        assert comm["elements"] > 0 and comm["formula_elements"] > 0 and comm["calls"] > 0
+        assert not comm["unparsed_ops"]
+        if name != "ddp/s0/32-true":  # the parity reference itself
+            assert e["parity"]["reference"] == "ddp/s0/32-true"
+            assert e["parity"]["ok"], (name, e["parity"])
+
+    # ampzero and raw FSDP2 (the same units) meet the formulas; DDP's all-reduce is 2 Ψ
+    for name in ("ampzero/s2/32-true", "fsdp2/s2/32-true"):
+        ms, comm = configs[name]["model_state"], configs[name]["comm"]
+        for cat in ("params", "grads", "optimizer"):
+            assert abs(ms["ratio"][cat] - 1) <= 0.05, (name, cat, ms)
+        assert abs(comm["ratio"] - 1) <= 0.10, (name, comm)
+    assert configs["ddp/s0/32-true"]["comm"]["elements"] == 2 * result["numel"]
+
+    # ratios measured in the same run, and the targets computed from them
+    ratio = result["ratios"]["ampzero/s2/32-true vs_fsdp2"]
+    assert ratio["denominator"] == "fsdp2/s2/32-true" and len(ratio["per_rep"]) == 1 and ratio["median"] > 0
+    assert ("ampzero/s2/32-true vs_deepspeed" in result["ratios"]) == HAVE_DEEPSPEED
+    kinds = " ".join(t["target"] for t in result["targets"])
+    assert "model-state bytes ampzero/s2/32-true" in kinds and "communicated elements ampzero/s2/32-true" in kinds
+    assert "step time ampzero/s2/32-true / fsdp2" in kinds
+
+    md = (tmp_path / "smoke.md").read_text()
+    assert "## Targets" in md and "fsdp2/s2/32-true" in md and env["versions"]["torch"] in md
+    assert (tmp_path / "smoke_summary.md").read_text().startswith("| stage |")
+    if HAVE_MATPLOTLIB:
+        assert (tmp_path / "smoke_step_time.png").stat().st_size > 0
