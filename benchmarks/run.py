@@ -196,9 +196,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stem", default="", help="output file name stem (default cpu / cpu_quick)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per repetition")
+    p.add_argument("--from-json", default="", help="rewrite the markdown and plots of an earlier run's JSON")
     p.add_argument("--gpu", action="store_true", help="run the single-GPU suite instead (benchmarks/suite/gpu.py;"
                    " its options: --dry-run, --only, --batch, --steps, ...)")
-    run_cpu(p.parse_args(argv))
+    args = p.parse_args(argv)
+    if args.from_json:
+        path = Path(args.from_json)
+        result = json.loads(path.read_text())
+        result["targets"] = report.targets(result)
+        for written in report.write(result, path.parent, path.stem, with_plots=not args.no_plots):
+            print("wrote", written)
+        return
+    run_cpu(args)
 
 
 if __name__ == "__main__":

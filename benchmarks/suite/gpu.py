@@ -91,8 +91,6 @@ def _child(name: str, args: argparse.Namespace) -> dict:
     from parity import PatternData
     from torch.utils.data import DataLoader
 
-    from lightning_ampzero.models.gpt import GPTConfig
-
     spec = dict(CONFIGS[name])
     cfg = gpt_config(args.dry_run)
     device = "cpu" if args.dry_run else "cuda"

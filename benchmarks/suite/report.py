@@ -441,31 +441,32 @@ def plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    kinds = [("vs_deepspeed", "/ DeepSpeed", "#d62728"), ("vs_fsdp2", "/ raw FSDP2 (s0: DDP)", "#2ca02c")]
-    labels: list[str] = []
-    for k, (kind, text, color) in enumerate(kinds):
+    fig, ax = plt.subplots(figsize=(9, 4))
+    series = [("ampzero", "vs_deepspeed", "ampzero / DeepSpeed", "#d62728"),
+              ("ampzero", "vs_fsdp2", "ampzero / raw FSDP2 (s0: bare DDP)", "#2ca02c"),
+              ("ampzero_fp32reduce", "vs_deepspeed", "ampzero, Linear grads reduced in fp32 (diagnostic) / DeepSpeed",
+               "#9467bd")]
+    labels = [f"s{s} {p}" for p in precisions for s in range(4)]
+    for k, (system, kind, text, color) in enumerate(series):
         xs, ys, lo, hi = [], [], [], []
         for j, p in enumerate(precisions):
             for s in range(4):
                 r = next((r for r in result["ratios"].values()
-                          if r["config"] == f"ampzero/s{s}/{p}" and r["kind"] == kind), None)
-                x = j * 4 + s
-                if f"s{s} {p}" not in labels and len(labels) <= x:
-                    labels.append(f"s{s} {p}")
+                          if r["config"] == f"{system}/s{s}/{p}" and r["kind"] == kind), None)
                 if r:
-                    xs.append(x + (k - 0.5) * 0.35)
+                    xs.append(j * 4 + s + (k - 1) * 0.25)
                     ys.append(r["median"])
                     lo.append(r["median"] - r["min"])
                     hi.append(r["max"] - r["median"])
-        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", color=color, label=f"ampzero {text}", capsize=3)
+        if xs:
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", color=color, label=text, capsize=3)
     ax.axhline(1.0, color="#d62728", lw=0.8, ls="--")
     ax.axhline(1.05, color="#2ca02c", lw=0.8, ls=":")
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=7)
     ax.set_ylabel("step-time ratio (lower is better)")
     ax.set_title("ampzero step time relative to DeepSpeed and raw FSDP2 (median, min-max over repetitions)")
     ax.title.set_fontsize(9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     paths.append(out_dir / f"{stem}_ratios.png")
     fig.savefig(paths[-1], dpi=110)

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -134,29 +133,27 @@ def run_fsdp2(cfg: BenchConfig, w: Workload, meter: Meter, rank: int) -> dict:
     return {"numel": numel}
 
 
-class _MeterCallback:
+def _meter_callback(meter: Meter, accumulate: int) -> Any:
     """The Meter's hooks from Lightning's: a step starts at its first micro-batch."""
+    import lightning.pytorch as pl
 
-    def __new__(cls, meter: Meter, accumulate: int):
-        import lightning.pytorch as pl
+    class MeterCallback(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx % accumulate == 0:
+                meter.step_start(batch_idx // accumulate)
 
-        class MeterCallback(pl.Callback):
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                if batch_idx % accumulate == 0:
-                    meter.step_start(batch_idx // accumulate)
+        def on_before_backward(self, trainer, pl_module, loss):
+            meter.sample()
 
-            def on_before_backward(self, trainer, pl_module, loss):
+        def on_after_backward(self, trainer, pl_module):
+            meter.sample()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if (batch_idx + 1) % accumulate == 0:
                 meter.sample()
+                meter.step_end(batch_idx // accumulate)
 
-            def on_after_backward(self, trainer, pl_module):
-                meter.sample()
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                if (batch_idx + 1) % accumulate == 0:
-                    meter.sample()
-                    meter.step_end(batch_idx // accumulate)
-
-        return MeterCallback()
+    return MeterCallback()
 
 
 def _lightning_module(w: Workload, meter: Meter):
@@ -220,7 +217,7 @@ def run_lightning(cfg: BenchConfig, w: Workload, meter: Meter, rank: int) -> dic
         accelerator="cpu", devices=w.world, strategy=strategy, precision=cfg.precision,
         max_steps=w.total_steps, accumulate_grad_batches=w.accumulate, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        num_sanity_val_steps=0, callbacks=[_MeterCallback(meter, w.accumulate)],
+        num_sanity_val_steps=0, callbacks=[_meter_callback(meter, w.accumulate)],
     )
     holder["trainer"] = trainer
     with _sigterm_broadcast(enabled=cfg.system != "ampzero_nosigterm"):
@@ -321,7 +318,3 @@ def deepspeed_available() -> bool:
     except Exception:
         return False
     return True
-
-
-def world_rank() -> int:
-    return dist.get_rank()
