@@ -18,7 +18,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -171,8 +171,10 @@ def write_state(
     return paths if write else []
 
 
-def checkpoint_entries(ckpt: Path, dtype: Optional[torch.dtype] = None, strip_prefix: str = "") -> list[tuple[str, Entry]]:
-    """(key in the checkpoint, output entry) for every model tensor of a sharded checkpoint."""
+def checkpoint_entries(
+    ckpt: Path, dtype: Optional[torch.dtype] = None, strip_prefix: str = ""
+) -> list[tuple[str, Entry, Any]]:
+    """(key in the checkpoint, output entry, its DCP storage metadata) for every model tensor."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -187,7 +189,7 @@ def checkpoint_entries(ckpt: Path, dtype: Optional[torch.dtype] = None, strip_pr
                 continue
             name = name[len(strip_prefix):]
         src = meta.properties.dtype
-        out.append((key, Entry(name, tuple(meta.size), _out_dtype(src, dtype))))
+        out.append((key, Entry(name, tuple(meta.size), _out_dtype(src, dtype)), meta))
     if not out:
         raise ValueError(f"{ckpt} holds no model tensors{f' under prefix {strip_prefix!r}' if strip_prefix else ''}.")
     return out
@@ -214,18 +216,16 @@ def consolidate_checkpoint(
         raise ValueError(f"dtype {dtype!r} is not supported. Allowed: {', '.join(DTYPES)}.")
     target = DTYPES[dtype] if dtype else None
     keyed = checkpoint_entries(ckpt, target, strip_prefix)
-    source = {e.name: key for key, e in keyed}
-    md = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    sizes = {e.name: md[key] for key, e in keyed}
+    source = {e.name: (key, meta) for key, e, meta in keyed}
 
     def fetch(e: Entry) -> torch.Tensor:
-        meta = sizes[e.name]
+        key, meta = source[e.name]
         t = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        dcp.load({source[e.name]: t}, storage_reader=FileSystemReader(str(ckpt)), no_dist=True,
+        dcp.load({key: t}, storage_reader=FileSystemReader(str(ckpt)), no_dist=True,
                  planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
         return t.to(e.dtype)
 
-    return write_state([e for _, e in keyed], fetch, Path(out), fmt=fmt, max_shard_size=parse_size(max_shard_size))
+    return write_state([e for _, e, _ in keyed], fetch, Path(out), fmt=fmt, max_shard_size=parse_size(max_shard_size))
 
 
 def export_consolidated(
