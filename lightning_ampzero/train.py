@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_ampzero.hydra_schema import TrainAppConfig, conf_dir, explain_error, register_configs, typed_config
+from lightning_ampzero.process import exit_process
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
     if args[:1] == [WORKER_FLAG]:
         if len(args) != 2:
             raise SystemExit(f"usage: python -m lightning_ampzero.train {WORKER_FLAG} <job.json>")
-        return worker_main(Path(args[1]))
+        # Leaves through exit_process: see [Note: exit without finalization] in process.py.
+        exit_process(worker_main(Path(args[1])))
     register_configs()
     try:
         preflight(args)
@@ -82,6 +84,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
     sys.argv = [sys.argv[0], *args]
     entry = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=CONFIG_NAME)(run_job)
     entry()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        # This process was a rank itself (one process, torchrun, SLURM): leave without
+        # finalization, see [Note: exit without finalization] in process.py.
+        exit_process(0)
     return None  # the console script passes this to sys.exit
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -35,8 +36,19 @@ def run_script(name: str, *args: str, timeout: float = 600, env: Optional[dict[s
     cmd = [*(launcher or [sys.executable]), str(SCRIPTS / name), *args]
     proc = subprocess.run(cmd, env=script_env(env), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{_tail(proc.stdout, 3000)}\n"
+                             f"{_tail(proc.stderr, 5000)}")
     return proc
+
+
+# Lightning's per-Trainer banners: they would fill the tail of a failed run's output that CI shows.
+_NOISE = re.compile(r"^(GPU available|TPU available|💡 Tip|`Trainer\.fit` stopped|Initializing distributed|-{20,}|"
+                    r"distributed_backend=|All distributed processes registered|\s*$)")
+
+
+def _tail(text: str, limit: int) -> str:
+    kept = [line for line in text.splitlines() if not _NOISE.match(line)]
+    return "\n".join(kept)[-limit:]
 
 
 def run_json(name: str, out: Path, *args: str, **kw: Any) -> Any:

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_ampzero.process import exit_process
+
 
 def _child(
     rank: int,
@@ -48,8 +50,12 @@ def _child(
         result = fn(rank, world_size, *args)
         with open(os.path.join(result_dir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise  # multiprocessing hands the traceback to the parent
+    # Success leaves without interpreter finalization, which can abort a process that ran gloo
+    # collectives: see [Note: exit without finalization] in lightning_ampzero/process.py.
+    exit_process(0)
 
 
 def spawn(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import warnings
 
 import torch
@@ -25,6 +24,7 @@ import lightning.pytorch as pl
 
 from lightning_ampzero.fp8 import Fp8Linear, optimizer_state_bytes
 from lightning_ampzero.models.gpt import GPTConfig
+from lightning_ampzero.process import run_and_exit
 from lightning_ampzero.strategy import AmpZeroStrategy
 
 from parity import PatternData, Recorder
@@ -109,4 +109,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)  # see [Note: exit without finalization] in lightning_ampzero/process.py

@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 
 from lightning_ampzero.memory import PeakModelState
 from lightning_ampzero.models.gpt import GPTConfig, GPTModule
+from lightning_ampzero.process import run_and_exit
 from lightning_ampzero.strategy import AmpZeroStrategy
 
 from parity import PatternData
@@ -94,4 +95,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)  # see [Note: exit without finalization] in lightning_ampzero/process.py

@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ampzero.models.gpt import GPTConfig
 from lightning_ampzero.offload.optimizer import OffloadedAdam
+from lightning_ampzero.process import run_and_exit
 from lightning_ampzero.strategy import AmpZeroStrategy
 
 from parity import PatternData, Recorder
@@ -160,4 +161,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)  # see [Note: exit without finalization] in lightning_ampzero/process.py

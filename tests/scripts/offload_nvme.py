@@ -24,6 +24,7 @@ import torch
 
 from lightning_ampzero.config import OffloadConfig
 from lightning_ampzero.offload import NvmeOffloadError, OffloadedAdam
+from lightning_ampzero.process import run_and_exit
 
 NUMEL = 1 << 22  # 4M parameters: 48 MiB of fp32 master + Adam moments
 TILE = 1 << 18
@@ -130,4 +131,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)  # see [Note: exit without finalization] in lightning_ampzero/process.py

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import warnings
 
 import torch
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 import lightning.pytorch as pl
 
 from lightning_ampzero.models.gpt import GPTConfig, GPTModule
+from lightning_ampzero.process import run_and_exit
 
 
 class PatternData(Dataset):
@@ -112,4 +112,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)  # see [Note: exit without finalization] in lightning_ampzero/process.py

@@ -36,6 +36,7 @@ from lightning_ampzero.callbacks import MemoryReport
 from lightning_ampzero.config import AmpZeroConfig, ZeroConfig
 from lightning_ampzero.memory import measure_model_state
 from lightning_ampzero.models.gpt import GPTConfig, GPTModule
+from lightning_ampzero.process import run_and_exit
 from lightning_ampzero.strategy import AmpZeroStrategy
 
 from parity import PatternData
@@ -169,4 +170,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)  # see [Note: exit without finalization] in lightning_ampzero/process.py

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from lightning.pytorch.loggers.logger import Logger
 
 from lightning_ampzero.config import LossScalerConfig, PrecisionConfig
 from lightning_ampzero.models.gpt import GPTConfig, GPTModule
+from lightning_ampzero.process import run_and_exit
 from lightning_ampzero.strategy import AmpZeroStrategy
 
 from parity import PatternData
@@ -304,4 +304,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)  # see [Note: exit without finalization] in lightning_ampzero/process.py
