@@ -1,8 +1,9 @@
 """Shared machinery of the typed config dataclasses (the one schema).
 
 Every feature config is a frozen dataclass that validates itself in ``__post_init__``.
-This module gives them a common ``from_dict`` that rejects unknown keys with a
-"did you mean" hint: DeepSpeed silently ignores a misspelt key, we do not.
+This module gives them a common ``from_dict`` (the :class:`FromDict` mixin over
+:func:`config_from_dict`) that rejects unknown keys with a "did you mean" hint: DeepSpeed
+silently ignores a misspelt key, we do not.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import difflib
 from typing import Any, Iterable, Mapping, TypeVar
 
 T = TypeVar("T")
+C = TypeVar("C", bound="FromDict")
 
 
 def suggest(key: str, allowed: Iterable[str]) -> str:
@@ -60,6 +62,29 @@ def config_from_dict(cls: type[T], data: Mapping[str, Any] | None, *, path: str 
             value = config_from_dict(nested, value, path=f"{prefix}{name}")
         kwargs[name] = value
     return cls(**kwargs)
+
+
+class FromDict:
+    """Mixin giving a config dataclass ``from_dict(data)``: :func:`config_from_dict` on the class.
+
+    The class names its section as a class keyword, ``class ZeroConfig(FromDict, section="zero")``:
+    the prefix of the key paths in its error messages (``Unknown config key 'zero.stag'``). No
+    keyword = the root (``AmpZeroConfig``), or the section inherited from a base class.
+    It adds no dataclass field and no state, so equality, hashing, pickling and the Hydra twins
+    (:func:`lightning_ampzero.hydra_schema.structured` copies fields only) are the dataclass's own.
+    """
+
+    # Not annotated, so that typing.get_type_hints(cls) stays the dataclass fields (strategy, hydra_schema).
+    _section = ""
+
+    def __init_subclass__(cls, *, section: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if section is not None:
+            cls._section = section
+
+    @classmethod
+    def from_dict(cls: type[C], data: Mapping[str, Any] | None) -> C:
+        return config_from_dict(cls, data, path=cls._section)
 
 
 def _dataclass_type(cls: type, name: str, annotation: Any) -> type | None:

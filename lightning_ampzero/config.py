@@ -14,15 +14,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Optional
 
-from lightning_ampzero._schema import check_choice, check_number, config_from_dict
+from lightning_ampzero._schema import FromDict, check_choice, check_number
 
 STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
-class ZeroConfig:
+class ZeroConfig(FromDict, section="zero"):
     """ZeRO partitioning on FSDP2 (see DESIGN.md for the stage table).
 
     Attributes:
@@ -91,10 +91,6 @@ class ZeroConfig:
         """Largest number of elements grouped into one communication unit."""
         return int(min(self.reduce_bucket_size, self.allgather_bucket_size))
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "ZeroConfig":
-        return config_from_dict(cls, data, path="zero")
-
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 COMM_DTYPES = ("fp32", "bf16", "fp16")
@@ -103,7 +99,7 @@ _DEFAULT_SAFE_MODULES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 
 
 @dataclass(frozen=True)
-class LossScalerConfig:
+class LossScalerConfig(FromDict, section="loss_scaler"):
     """DeepSpeed's fp16 loss-scaler parameters (same names, same semantics; see FACTS.md).
 
     Attributes:
@@ -140,13 +136,9 @@ class LossScalerConfig:
     def dynamic(self) -> bool:
         return self.loss_scale == 0
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "LossScalerConfig":
-        return config_from_dict(cls, data, path="loss_scaler")
-
 
 @dataclass(frozen=True)
-class PrecisionConfig:
+class PrecisionConfig(FromDict, section="precision"):
     """Numerics of the step: autocast or low-precision parameters, loss scaling, comm dtype.
 
     Which op runs in which dtype for each precision: docs/precision.md.
@@ -225,10 +217,6 @@ class PrecisionConfig:
                 " a '-mixed' precision."
             )
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "PrecisionConfig":
-        return config_from_dict(cls, data, path="precision")
-
 
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise")
 FP8_FORMATS = ("hybrid", "e4m3")
@@ -236,7 +224,7 @@ MSAMP_LEVELS = ("none", "O1", "O2")
 
 
 @dataclass(frozen=True)
-class Fp8Config:
+class Fp8Config(FromDict, section="fp8"):
     """FP8 training of the ``nn.Linear`` layers (lightning_ampzero.fp8; user guide: docs/fp8.md).
 
     Creating one turns FP8 on (``AmpZeroStrategy(fp8=Fp8Config(recipe="delayed"))``);
@@ -333,16 +321,12 @@ class Fp8Config:
     def resolved_format(self) -> str:
         return self.format or ("e4m3" if self.recipe == "rowwise" else "hybrid")
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "Fp8Config":
-        return config_from_dict(cls, data, path="fp8")
-
 
 AC_MODES = ("none", "full", "selective")
 
 
 @dataclass(frozen=True)
-class ActivationCheckpointingConfig:
+class ActivationCheckpointingConfig(FromDict, section="activation_checkpointing"):
     """Activation checkpointing (ZeRO-R), DeepSpeed's keys where they exist (docs/activation_checkpointing.md).
 
     Attributes:
@@ -413,16 +397,12 @@ class ActivationCheckpointingConfig:
     def enabled(self) -> bool:
         return self.mode != "none"
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "ActivationCheckpointingConfig":
-        return config_from_dict(cls, data, path="activation_checkpointing")
-
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 @dataclass(frozen=True)
-class OffloadConfig:
+class OffloadConfig(FromDict, section="offload"):
     """ZeRO-Offload / ZeRO-Infinity: optimizer state and parameters off the accelerator (docs/offload.md).
 
     DeepSpeed's keys (``zero_optimization.offload_optimizer.*`` / ``offload_param.*`` and
@@ -484,13 +464,9 @@ class OffloadConfig:
     def enabled(self) -> bool:
         return self.offload_optimizer != "none" or self.offload_param != "none"
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "OffloadConfig":
-        return config_from_dict(cls, data, path="offload")
-
 
 @dataclass(frozen=True)
-class AmpZeroConfig:
+class AmpZeroConfig(FromDict):
     """Everything the strategy is configured by. Features add their own field here."""
 
     zero: ZeroConfig = field(default_factory=ZeroConfig)
@@ -512,7 +488,3 @@ class AmpZeroConfig:
                 f"offload.offload_param={self.offload.offload_param!r} needs zero.stage=3 (only stage 3 partitions the"
                 f" parameters), got stage={stage}. Set stage=3, or use offload_optimizer for stages 1-2."
             )
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "AmpZeroConfig":
-        return config_from_dict(cls, data)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Union
 
-from lightning_ampzero._schema import check_choice, check_number, config_from_dict
+from lightning_ampzero._schema import FromDict, check_choice, check_number, config_from_dict
 from lightning_ampzero.config import (
     ActivationCheckpointingConfig,
     AmpZeroConfig,
@@ -71,7 +71,7 @@ LOGGERS = ("csv", "tensorboard", "none")
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
+class TrainerConfig(FromDict, section="trainer"):
     """The ``lightning.pytorch.Trainer`` arguments ``ampzero-train`` exposes (``trainer.<name>=...``).
 
     ``precision`` is the precision group's and ``strategy`` the strategy group's; the rest
@@ -122,13 +122,9 @@ class TrainerConfig:
             out["devices"] = list(out["devices"])
         return {k: v for k, v in out.items() if v is not None}
 
-    @classmethod
-    def from_dict(cls, data: Any) -> "TrainerConfig":
-        return config_from_dict(cls, data, path="trainer")
-
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(FromDict, section="run"):
     """How the job runs: process launching, outputs.
 
     Attributes:
@@ -164,10 +160,6 @@ class RunConfig:
             check_number("run", "checkpoint_every_n_steps", self.checkpoint_every_n_steps, minimum=1, integral=True)
         if self.timeout_s is not None:
             check_number("run", "timeout_s", self.timeout_s, minimum=1)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> "RunConfig":
-        return config_from_dict(cls, data, path="run")
 
 
 def _model_config_class() -> type:

@@ -256,7 +256,7 @@ class AmpZeroStrategy(ParallelStrategy):
         super().connect(model)
         # A DeepSpeed config's optimizer/scheduler sections stand in for a missing
         # configure_optimizers; install them here, before Lightning checks that the module has
-        # one (_verify_loop_configurations runs between connect() and setup()). See deepspeed.py.
+        # one (_verify_loop_configurations runs between connect() and setup()). See _deepspeed/result.py.
         if self.imported is not None:
             self.imported.install_optimizers(model)
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_ampzero._schema import check_choice, check_number, config_from_dict
+from lightning_ampzero._schema import FromDict, check_choice, check_number
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
 #: Corpora shipped inside the package (name -> file). See corpus/README.md for source and licence.
@@ -24,7 +24,7 @@ SHIPPED_CORPORA = {"shakespeare": CORPUS_DIR / "shakespeare.txt"}
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(FromDict, section="data"):
     """Where the bytes come from and how they are batched.
 
     Attributes:
@@ -61,10 +61,6 @@ class DataConfig:
     @property
     def file(self) -> Path:
         return Path(self.path).expanduser() if self.path is not None else SHIPPED_CORPORA[self.corpus]
-
-    @classmethod
-    def from_dict(cls, data: Any) -> "DataConfig":
-        return config_from_dict(cls, data, path="data")
 
 
 def read_tokens(path: Path) -> torch.Tensor:

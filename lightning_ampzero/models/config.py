@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from lightning_ampzero._schema import check_number, config_from_dict
+from lightning_ampzero._schema import FromDict, check_number
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(FromDict, section="model"):
     vocab_size: int = 256
     block_size: int = 64
     n_layer: int = 4
@@ -26,7 +25,3 @@ class GPTConfig:
                 f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}."
             )
         check_number("model", "dropout", self.dropout, minimum=0)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> "GPTConfig":
-        return config_from_dict(cls, data, path="model")

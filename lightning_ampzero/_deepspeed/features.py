@@ -1,6 +1,6 @@
 """The feature sections of a DeepSpeed config: offload (ZeRO-Offload / ZeRO-Infinity), ``aio``,
 ``activation_checkpointing`` and ``msamp``, converted into ``OffloadConfig``,
-``ActivationCheckpointingConfig`` and ``Fp8Config`` (the rest of the importer: ``deepspeed.py``).
+``ActivationCheckpointingConfig`` and ``Fp8Config`` (the other sections: the other modules here).
 
 Each function takes the importer's ``_Converter`` (``conv``) and records into it: ``conv.set``
 maps a key to a target field, ``conv.no_effect`` lists keys that change nothing here with the
@@ -194,3 +194,11 @@ def convert_msamp(conv: Any, section: Mapping[str, Any]) -> None:
         " min(in, out) >= fp8.min_features (1024) get FP8 GEMMs, recipe 'tensorwise'; run it with bf16"
         " (bf16.enabled or precision='bf16-mixed')",
     ))
+
+
+def convert_features(conv: Any, data: Mapping[str, Any]) -> None:
+    """The feature sections (after ``zero``: ``aio`` depends on the offload device)."""
+    convert_aio(conv, conv.section(data.get("aio"), "aio"))
+    convert_activation_checkpointing(
+        conv, conv.section(data.get("activation_checkpointing"), "activation_checkpointing"))
+    convert_msamp(conv, conv.section(data.get("msamp"), "msamp"))

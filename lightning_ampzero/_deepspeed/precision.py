@@ -1,0 +1,108 @@
+"""DeepSpeed's precision keys (``fp16``, ``bf16`` / ``bfloat16``, ``torch_autocast``, ``amp``,
+``communication_data_type``) -> ``precision.*`` and ``precision.loss_scaler.*``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from lightning_ampzero._deepspeed.common import _HANDLED, _NoEffect, _is_auto
+from lightning_ampzero.config import LossScalerConfig
+
+_FP16: dict[str, Any] = {
+    "enabled": _HANDLED,
+    "auto_cast": _HANDLED,
+    "loss_scale": "precision.loss_scaler.loss_scale",
+    "initial_scale_power": "precision.loss_scaler.initial_scale_power",
+    "loss_scale_window": "precision.loss_scaler.loss_scale_window",
+    "hysteresis": "precision.loss_scaler.hysteresis",
+    "consecutive_hysteresis": "precision.loss_scaler.consecutive_hysteresis",
+    "min_loss_scale": "precision.loss_scaler.min_loss_scale",
+    "fp16_master_weights_and_grads": _NoEffect("parameters stay fp32 under 16-mixed (autocast)"),
+    "fp16_optimizer_states": _NoEffect("optimizer states follow the parameters' dtype"),
+}
+
+_BF16: dict[str, Any] = {
+    "enabled": _HANDLED,
+    "check_grad_overflow": "precision.check_grad_overflow",
+    "immediate_grad_update": _NoEffect("gradients are reduced in the dtype set by communication_data_type"),
+    "bf16_master_weights_and_grads": _NoEffect("parameters stay fp32 under bf16-mixed (autocast)"),
+    "bf16_optimizer_states": _NoEffect("optimizer states follow the parameters' dtype"),
+}
+
+_AUTOCAST = ("enabled", "dtype", "lower_precision_safe_modules")
+_AMP = _NoEffect("Apex AMP is not supported: use fp16 / bf16 / torch_autocast (or Trainer precision=...)")
+
+_COMM_DTYPES = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "bf16": "bf16", "bfp16": "bf16", "bfloat16": "bf16",
+}
+_AUTOCAST_DTYPES = {
+    "torch.bfloat16": "bf16-mixed", "bfloat16": "bf16-mixed", "bf16": "bf16-mixed",
+    "torch.float16": "16-mixed", "float16": "16-mixed", "fp16": "16-mixed", "torch.half": "16-mixed", "half": "16-mixed",
+}
+
+
+def convert_precision(conv: Any, data: Mapping[str, Any]) -> None:
+    fp16 = conv.section(data.get("fp16"), "fp16")
+    bf16_key = "bfloat16" if "bfloat16" in data else "bf16"
+    bf16 = conv.section(data.get(bf16_key), bf16_key)
+    autocast = conv.section(data.get("torch_autocast"), "torch_autocast")
+    chosen: list[tuple[str, str]] = []
+    fp16_on = conv.flag(fp16, "fp16") if fp16 else False
+    if fp16_on:
+        conv.walk(fp16, _FP16, "fp16")
+        chosen.append(("16-mixed", "fp16.enabled"))
+        if fp16.get("auto_cast") not in (None, False, True) and not _is_auto(fp16.get("auto_cast")):
+            conv.errors.append(f"fp16.auto_cast must be true or false, got {fp16['auto_cast']!r}.")
+    elif fp16:
+        # Like DeepSpeed, the scaler keys only count when fp16 is on. With "auto" the Trainer's
+        # precision decides; non-default scaler values would then be lost: say so.
+        conv.check_keys(fp16, _FP16, "fp16")
+        default = LossScalerConfig()
+        changed = [k for k, target in _FP16.items() if isinstance(target, str) and target != _HANDLED
+                   and k in fp16 and not _is_auto(fp16[k]) and fp16[k] != getattr(default, target.rsplit(".", 1)[-1])]
+        if fp16_on is None and changed:
+            conv.no_effect.append((
+                "fp16." + "/".join(changed),
+                "fp16.enabled is \"auto\": for these loss-scaler values use precision=\"16-mixed\" and"
+                " PrecisionConfig(loss_scaler=...)",
+            ))
+    if bf16:
+        conv.walk(bf16, _BF16, bf16_key)
+    conv.check_keys(autocast, _AUTOCAST, "torch_autocast")
+    if bf16 and conv.flag(bf16, bf16_key):
+        chosen.append(("bf16-mixed", f"{bf16_key}.enabled"))
+    if autocast and conv.flag(autocast, "torch_autocast"):
+        dtype = str(autocast.get("dtype", "torch.bfloat16"))
+        mapped = _AUTOCAST_DTYPES.get(dtype.lower())
+        if mapped is None:
+            conv.errors.append(f"torch_autocast.dtype={dtype!r} is not valid. Allowed values: torch.bfloat16,"
+                               " torch.float16.")
+        else:
+            chosen.append((mapped, "torch_autocast.enabled"))
+        modules = autocast.get("lower_precision_safe_modules")
+        if modules is not None:
+            if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+                conv.errors.append("torch_autocast.lower_precision_safe_modules must be a list of class names.")
+            else:
+                # DeepSpeed takes import paths ("torch.nn.Linear"); the schema holds class names.
+                conv.set("precision.lower_precision_safe_modules", [m.rsplit(".", 1)[-1] for m in modules],
+                         "torch_autocast.lower_precision_safe_modules")
+    distinct = sorted({p for p, _ in chosen})
+    if len(distinct) > 1:
+        conv.errors.append(" and ".join(k for _, k in chosen) + " are all set: enable one precision.")
+    elif distinct:
+        # In the strategy's config, so it holds whatever the Trainer's precision= says.
+        conv.values["precision.precision"] = (distinct[0], chosen[0][1])
+    comm = data.get("communication_data_type")
+    if comm is not None:
+        mapped = _COMM_DTYPES.get(str(comm).lower())
+        if mapped is None:
+            conv.errors.append(f"communication_data_type={comm!r} is not valid. Allowed values: fp32, fp16, bf16.")
+        else:
+            conv.set("precision.communication_data_type", mapped, "communication_data_type")
+    amp = conv.section(data.get("amp"), "amp")
+    if amp.get("enabled"):
+        conv.no_effect.append(("amp", _AMP.reason))

@@ -1,0 +1,301 @@
+"""What a DeepSpeed config converts to, :class:`ImportedDeepSpeedConfig`: applied to a Lightning
+Trainer, or written as ``ampzero-train`` Hydra overrides and experiment YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from lightning_ampzero._deepspeed.common import DeepSpeedConfigError, _warn
+from lightning_ampzero._deepspeed.optim import OptimizerConfig, SchedulerConfig, build_optimizer, build_scheduler
+from lightning_ampzero.config import (
+    ActivationCheckpointingConfig,
+    AmpZeroConfig,
+    Fp8Config,
+    OffloadConfig,
+    PrecisionConfig,
+    ZeroConfig,
+)
+
+
+@dataclass(frozen=True)
+class ImportedDeepSpeedConfig:
+    """What a DeepSpeed config converts to.
+
+    Attributes:
+        config: the strategy's typed config.
+        trainer: Trainer settings the JSON carries (``gradient_clip_val``, ``gradient_clip_algorithm``,
+            ``accumulate_grad_batches``); applied by :meth:`apply_to_trainer`. The precision is in
+            ``config.precision.precision``.
+        micro_batch_size, train_batch_size: DeepSpeed's batch sizes (the DataLoader's batch size
+            is the micro-batch; checked against the world size in :meth:`apply_to_trainer`).
+        optimizer, scheduler: used when the LightningModule configures no optimizer.
+        no_effect: ``(key path, reason)`` for every key that changes nothing here.
+        notes: ``(key path, how it is read)`` for keys whose meaning here differs from DeepSpeed's
+            (the ``activation_checkpointing`` section, ``offload_param.device="nvme"``, ``msamp``).
+        auto: key paths whose value was ``"auto"``.
+        source: the file it came from, or ``"<dict>"``.
+    """
+
+    config: AmpZeroConfig
+    trainer: Mapping[str, Any] = field(default_factory=dict)
+    micro_batch_size: Optional[int] = None
+    train_batch_size: Optional[int] = None
+    optimizer: Optional[OptimizerConfig] = None
+    scheduler: Optional[SchedulerConfig] = None
+    no_effect: tuple[tuple[str, str], ...] = ()
+    auto: tuple[str, ...] = ()
+    source: str = "<dict>"
+    #: ``"auto"`` optimizer parameters, resolved when the optimizer is built (``lr``: the module's).
+    optimizer_auto: tuple[str, ...] = ()
+    notes: tuple[tuple[str, str], ...] = ()
+
+    # ---- Lightning -----------------------------------------------------------------------
+    def apply_to_trainer(self, trainer: Any) -> None:
+        """Apply the Trainer-level settings (called by ``AmpZeroStrategy.setup`` before optimizers exist).
+
+        A setting the Trainer was explicitly given differently wins, with a warning. The
+        ``optimizer`` / ``scheduler`` sections are installed when the LightningModule's
+        ``configure_optimizers`` is not overridden or returns None.
+        """
+        clip = self.trainer.get("gradient_clip_val")
+        if clip is not None:
+            current = getattr(trainer, "gradient_clip_val", None)
+            if current is None:
+                trainer.gradient_clip_val = clip
+                trainer.gradient_clip_algorithm = "norm"
+            elif float(current) != float(clip) or str(getattr(trainer, "gradient_clip_algorithm", "norm")) != "norm":
+                _warn(f"Trainer(gradient_clip_val={current}, gradient_clip_algorithm="
+                      f"{getattr(trainer, 'gradient_clip_algorithm', None)!r}) is used; the DeepSpeed config's"
+                      f" gradient_clipping={clip} (by norm) is ignored.")
+        accumulate = self.trainer.get("accumulate_grad_batches")
+        if accumulate is not None:
+            current = int(getattr(trainer, "accumulate_grad_batches", 1))
+            if current == 1:
+                trainer.accumulate_grad_batches = int(accumulate)
+            elif current != accumulate:
+                _warn(f"Trainer(accumulate_grad_batches={current}) is used; the DeepSpeed config's"
+                      f" gradient_accumulation_steps={accumulate} is ignored.")
+        precision = self.config.precision.precision
+        trainer_precision = str(getattr(trainer, "precision", "32-true"))
+        if precision is not None and trainer_precision not in ("32-true", precision):
+            _warn(f"Trainer(precision={trainer_precision!r}) differs from the DeepSpeed config's precision"
+                  f" ({precision!r}); the DeepSpeed config's is used.")
+        self._check_batch(trainer)
+        module = getattr(trainer, "lightning_module", None)
+        if module is not None:
+            self.install_optimizers(module)
+
+    def _check_batch(self, trainer: Any) -> None:
+        world = int(getattr(trainer, "world_size", 1) or 1)
+        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1))
+        micro, total = self.micro_batch_size, self.train_batch_size
+        if micro is not None and total is not None and micro * accumulate * world != total:
+            raise DeepSpeedConfigError(
+                f"DeepSpeed config {self.source}: train_batch_size={total} must equal"
+                f" train_micro_batch_size_per_gpu ({micro}) x gradient accumulation ({accumulate}) x world size"
+                f" ({world}) = {micro * accumulate * world}."
+            )
+
+    def install_optimizers(self, module: Any) -> None:
+        """Let ``module`` fall back to the ``optimizer`` / ``scheduler`` sections (idempotent).
+
+        Its ``configure_optimizers`` is wrapped on the instance: when the class does not override
+        it, or its result is None, the sections are built (DeepSpeed's behaviour); otherwise the
+        module's own optimizer wins, with a warning that the sections are ignored. Called by
+        ``AmpZeroStrategy.connect`` (Lightning rejects a module without configure_optimizers
+        before the strategy's setup runs).
+        """
+        if self.optimizer is None and self.scheduler is None:
+            return
+        original = module.configure_optimizers
+        if getattr(original, "_ampzero_deepspeed", False):
+            return
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        overridden = is_overridden("configure_optimizers", module)
+        imported = self
+
+        def configure_optimizers(this: Any) -> Any:
+            result = original() if overridden else None
+            if result is not None:
+                _warn("The LightningModule configures its own optimizer; the DeepSpeed config's optimizer/scheduler"
+                      " sections are ignored.")
+                return result
+            return imported.configure_optimizers(this, this.trainer)
+
+        configure_optimizers._ampzero_deepspeed = True  # type: ignore[attr-defined]
+        module.configure_optimizers = types.MethodType(configure_optimizers, module)
+
+    def configure_optimizers(self, module: Any, trainer: Any = None) -> Any:
+        """Build the ``optimizer`` and ``scheduler`` sections for ``module`` (Lightning's return format)."""
+        opt_cfg = self.optimizer or OptimizerConfig()
+        if "lr" in self.optimizer_auto:
+            lr = _module_lr(module)
+            if lr is None:
+                raise DeepSpeedConfigError(
+                    f"DeepSpeed config {self.source}: optimizer.params.lr is \"auto\", and the LightningModule has"
+                    " no `lr` / `learning_rate` attribute or hyperparameter to take it from. Set a number."
+                )
+            opt_cfg = dataclasses.replace(opt_cfg, lr=lr)
+        optimizer = build_optimizer(opt_cfg, [p for p in module.parameters() if p.requires_grad])
+        if self.scheduler is None or self.scheduler.type is None:
+            return optimizer
+        total = None
+        if trainer is not None:
+            total = getattr(trainer, "estimated_stepping_batches", None)
+        scheduler = build_scheduler(self.scheduler, optimizer, lr=opt_cfg.lr, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- Hydra ---------------------------------------------------------------------------
+    def micro_batch(self, world_size: Optional[int]) -> Optional[int]:
+        """The per-process batch size: given, or derived from train_batch_size and ``world_size``."""
+        if self.micro_batch_size is not None or self.train_batch_size is None or world_size is None:
+            return self.micro_batch_size
+        per_step = int(self.trainer.get("accumulate_grad_batches", 1)) * world_size
+        if self.train_batch_size % per_step:
+            raise DeepSpeedConfigError(
+                f"DeepSpeed config {self.source}: train_batch_size={self.train_batch_size} is not divisible by"
+                f" gradient accumulation x world size = {per_step}."
+            )
+        return self.train_batch_size // per_step
+
+    def hydra_values(self, world_size: Optional[int] = None) -> dict[str, Any]:
+        """Nested values for ``ampzero-train``'s config: only what differs from the option files' defaults.
+
+        ``world_size`` lets a config that gives only ``train_batch_size`` set ``data.batch_size``.
+        """
+        out: dict[str, Any] = {}
+        zero = _diff(self.config.zero, ZeroConfig(stage=self.config.zero.stage))
+        if zero:
+            out["strategy"] = zero
+        prec = _diff(self.config.precision, PrecisionConfig(precision=self.config.precision.precision))
+        if prec:
+            out["precision"] = prec
+        # Each against what its group option (hydra_groups) sets: conf/<group>/<option>.yaml.
+        cfg = self.config
+        for node, value, default in (
+            ("offload", cfg.offload, OffloadConfig()),
+            ("activation_checkpointing", cfg.activation_checkpointing,
+             ActivationCheckpointingConfig(mode=cfg.activation_checkpointing.mode)),
+            ("fp8", cfg.fp8, Fp8Config(recipe=cfg.fp8.recipe) if cfg.fp8.enabled else Fp8Config.off()),
+        ):
+            diff = _diff(value, default)
+            if diff:
+                out[node] = diff
+        if self.trainer:
+            out["trainer"] = dict(self.trainer)
+        micro = self.micro_batch(world_size)
+        if micro is not None:
+            out["data"] = {"batch_size": micro}
+        if self.optimizer is not None:
+            out["optim"] = dataclasses.asdict(self.optimizer)
+            for key in self.optimizer_auto:
+                out["optim"].pop(key, None)
+        if self.scheduler is not None:
+            out["scheduler"] = dataclasses.asdict(self.scheduler)
+        return _lists(out)
+
+    def hydra_groups(self) -> dict[str, str]:
+        """Config-group choices: ``{"strategy": "zero3", "precision": "16-mixed", "activation_checkpointing": "full"}``.
+
+        Offload is written as ``offload.*`` values over ``strategy=zero<stage>`` (explicit, rather than
+        the strategy group's *_offload presets, whose other values would have to be diffed too).
+        """
+        cfg = self.config
+        groups = {"strategy": f"zero{cfg.zero.stage}"}
+        if cfg.precision.precision is not None:
+            groups["precision"] = cfg.precision.precision
+        if cfg.activation_checkpointing.enabled:
+            groups["activation_checkpointing"] = cfg.activation_checkpointing.mode
+        if cfg.fp8.enabled:
+            groups["fp8"] = cfg.fp8.recipe
+        return groups
+
+    def hydra_overrides(self, world_size: Optional[int] = None) -> list[str]:
+        """Command-line overrides for ``ampzero-train`` equivalent to this config."""
+        out = [f"{g}={v}" for g, v in self.hydra_groups().items()]
+        for path, value in _flatten(self.hydra_values(world_size)):
+            out.append(f"{path}={_override_value(value)}")
+        return out
+
+    def hydra_yaml(self, name: str = "deepspeed", world_size: Optional[int] = None) -> str:
+        """An ``experiment/<name>.yaml`` equivalent to this config (``ampzero-train experiment=<name>``)."""
+        from omegaconf import OmegaConf
+
+        lines = [
+            "# @package _global_",
+            f"# Converted from the DeepSpeed config {self.source} by `ampzero-config from-deepspeed`.",
+            f"# Use: save as <config dir>/experiment/{name}.yaml and run",
+            f"#   ampzero-train --config-dir <config dir> experiment={name}",
+        ]
+        for key, reason in self.no_effect:
+            lines.append(f"# no effect: {key} ({reason})")
+        for key, reason in self.notes:
+            lines.append(f"# note: {key}: {reason}")
+        for key in self.auto:
+            lines.append(f"# \"auto\": {key} (takes the default)")
+        if self.micro_batch_size is None and self.train_batch_size is not None and world_size is None:
+            lines.append(f"# train_batch_size={self.train_batch_size}: set data.batch_size to it divided by"
+                         " (trainer.accumulate_grad_batches x world size)")
+        body: dict[str, Any] = {"defaults": [{f"override /{g}": v} for g, v in self.hydra_groups().items()]}
+        body.update(self.hydra_values(world_size))
+        return "\n".join(lines) + "\n" + OmegaConf.to_yaml(OmegaConf.create(body))
+
+
+def _module_lr(module: Any) -> Optional[float]:
+    for name in ("lr", "learning_rate"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        hparams = getattr(module, "hparams", None)
+        if hparams is not None and isinstance(hparams.get(name) if hasattr(hparams, "get") else None, (int, float)):
+            return float(hparams.get(name))
+    return None
+
+
+def _diff(cfg: Any, default: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        a, b = getattr(cfg, f.name), getattr(default, f.name)
+        if dataclasses.is_dataclass(a):
+            sub = _diff(a, b)
+            if sub:
+                out[f.name] = sub
+        elif a != b:
+            out[f.name] = a
+    return out
+
+
+def _lists(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _lists(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_lists(v) for v in value]
+    return value
+
+
+def _flatten(values: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k, v in values.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.extend(_flatten(v, path + "."))
+        else:
+            out.append((path, v))
+    return out
+
+
+def _override_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override_value(v) for v in value) + "]"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)

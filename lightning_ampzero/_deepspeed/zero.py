@@ -1,0 +1,72 @@
+"""DeepSpeed's ``zero_optimization`` section -> ``zero.*`` (its offload keys: ``features.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_ampzero._deepspeed import features
+from lightning_ampzero._deepspeed.common import _FSDP, _HANDLED, _MONITOR, _NOT_YET, _NoEffect
+
+_ZERO: dict[str, Any] = {
+    "stage": "zero.stage",
+    "reduce_bucket_size": "zero.reduce_bucket_size",
+    "allgather_bucket_size": "zero.allgather_bucket_size",
+    "stage3_prefetch_bucket_size": "zero.prefetch_bucket_size",
+    "prefetch_bucket_size": "zero.prefetch_bucket_size",
+    "stage3_param_persistence_threshold": "zero.param_persistence_threshold",
+    "param_persistence_threshold": "zero.param_persistence_threshold",
+    "zero_hpz_partition_size": "zero.hpz_partition_size",
+    "offload_optimizer": _HANDLED,
+    "offload_param": _HANDLED,
+    "cpu_offload": _HANDLED,
+    "cpu_offload_params": _HANDLED,
+    "cpu_offload_use_pin_memory": _HANDLED,
+    "overlap_comm": _NoEffect(_FSDP + " and always overlaps it with compute"),
+    "contiguous_gradients": _NoEffect("FSDP2 reduces gradients from contiguous buffers already"),
+    "reduce_scatter": _NoEffect("stages 2-3 always reduce-scatter gradients"),
+    "allgather_partitions": _NoEffect("parameters are always all-gathered per communication unit"),
+    "use_multi_rank_bucket_allreduce": _NoEffect(_FSDP),
+    "round_robin_gradients": _NoEffect(_FSDP),
+    "sub_group_size": _HANDLED,
+    "stage3_max_live_parameters": _NoEffect("live parameters are bounded by the units in flight (prefetch_bucket_size)"),
+    "max_live_parameters": _NoEffect("live parameters are bounded by the units in flight (prefetch_bucket_size)"),
+    "stage3_max_reuse_distance": _NoEffect("stage 3 re-gathers every unit for backward (reshard_after_forward)"),
+    "max_reuse_distance": _NoEffect("stage 3 re-gathers every unit for backward (reshard_after_forward)"),
+    "stage3_model_persistence_threshold": _NoEffect("use param_persistence_threshold"),
+    "model_persistence_threshold": _NoEffect("use param_persistence_threshold"),
+    "stage3_gather_16bit_weights_on_model_save": _NoEffect(
+        "checkpoints are sharded directories; consolidate one into a single file when you need it"
+    ),
+    "stage3_gather_fp16_weights_on_model_save": _NoEffect(
+        "checkpoints are sharded directories; consolidate one into a single file when you need it"
+    ),
+    "gather_16bit_weights_on_model_save": _NoEffect(
+        "checkpoints are sharded directories; consolidate one into a single file when you need it"
+    ),
+    "stage3_module_granularity_threshold": _NoEffect("units are built from reduce/allgather bucket sizes"),
+    "module_granularity_threshold": _NoEffect("units are built from reduce/allgather bucket sizes"),
+    "stage3_use_all_reduce_for_fetch_params": _NoEffect(_FSDP),
+    "use_all_reduce_for_fetch_params": _NoEffect(_FSDP),
+    "elastic_checkpoint": _NoEffect("checkpoints reshard through torch.distributed.checkpoint"),
+    "load_from_fp32_weights": _NoEffect("checkpoints hold the fp32 shards"),
+    "ignore_unused_parameters": _NoEffect("FSDP2 tolerates unused parameters"),
+    "legacy_stage1": _NoEffect("there is one stage-1 implementation"),
+    "memory_efficient_linear": _NoEffect("linear layers are torch's"),
+    "override_module_apply": _NoEffect("modules are built in configure_model under the sharded context"),
+    "pipeline_loading_checkpoint": _NoEffect("not part of lightning_ampzero"),
+    "log_trace_cache_warnings": _NoEffect(_MONITOR),
+    "zero_quantized_weights": _NoEffect("ZeRO++ quantized communication is " + _NOT_YET),
+    "zero_quantized_nontrainable_weights": _NoEffect("ZeRO++ quantized communication is " + _NOT_YET),
+    "zero_quantized_gradients": _NoEffect("ZeRO++ quantized communication is " + _NOT_YET),
+    "zeropp_loco_param": _NoEffect("ZeRO++ quantized communication is " + _NOT_YET),
+    "mics_shard_size": _NoEffect("MiCS is not part of lightning_ampzero (see hpz_partition_size)"),
+    "mics_hierarchical_params_gather": _NoEffect("MiCS is not part of lightning_ampzero"),
+    "cpuadam_cores_perc": _NoEffect("there is no DeepSpeed CPU Adam here"),
+}
+
+
+def convert_zero(conv: Any, z: dict[str, Any]) -> None:
+    if not z:
+        return
+    conv.walk(z, _ZERO, "zero_optimization")
+    features.convert_offload(conv, z)
