@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -166,7 +167,7 @@ def run_cpu(args: argparse.Namespace) -> list[Path]:
         "suite": suite.name, "workload": rep_results[0]["meta"]["workload"], "numel": numel,
         "repetitions": reps, "environment": env_info, "skipped_without_deepspeed": skipped,
         "wall_s": time.perf_counter() - start, "notes": NOTES,
-        "command": "python benchmarks/run.py" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python benchmarks/run.py", *map(shlex.quote, args.argv)]),
     })
     result["targets"] = report.targets(result)
     written = report.write(result, Path(args.out), stem, with_plots=not args.no_plots)
@@ -200,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gpu", action="store_true", help="run the single-GPU suite instead (benchmarks/suite/gpu.py;"
                    " its options: --dry-run, --only, --batch, --steps, ...)")
     args = p.parse_args(argv)
+    args.argv = argv  # recorded in the results: which configurations, how many repetitions
     if args.from_json:
         path = Path(args.from_json)
         result = json.loads(path.read_text())

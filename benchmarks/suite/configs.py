@@ -143,7 +143,7 @@ def full_suite() -> Suite:
     configs += [BenchConfig("lightning_ddp", 0, p) for p in ("32-true", "bf16-mixed")]
     configs += [BenchConfig("ampzero_nosigterm", 2, "32-true")]
     # bf16-mixed without the lower-precision-safe modules (every gradient reduced in fp32, no
-    # extra FSDP2 units / DDP comm hook): what the bf16 reduction of Linear gradients costs.
+    # low-precision FSDP2 groups / DDP comm hook): what the bf16 reduction of Linear gradients costs.
     configs += [BenchConfig("ampzero_fp32reduce", s, "bf16-mixed") for s in (0, 1, 2, 3)]
     # DeepSpeed's bf16 mode (bf16 parameters and gradients, fp32 master) beside ampzero's
     # equivalent, bf16-true (FSDP2 param_dtype=bf16, fp32 shards as master).

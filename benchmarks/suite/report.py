@@ -303,6 +303,7 @@ def markdown(result: dict) -> str:
         f"# CPU benchmark: ampzero vs DeepSpeed, raw FSDP2 and DDP ({suite} suite)",
         "",
         f"- Date: {env['date']}; git {env['git_commit']}",
+        f"- Command: `{result.get('command', 'python benchmarks/run.py')}` ({len(result['configs'])} configurations)",
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 2**30:.0f} GiB, {m['platform']};"
         f" load average at start {', '.join(f'{x:.1f}' for x in m['load_average_at_start'])} (shared machine:"
         " other jobs ran concurrently)",

@@ -7,14 +7,16 @@
   it with ``.item()`` before every batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``):
   a blocking collective per micro-batch that no bare loop has. This run measures its cost.
 * ``ampzero_fp32reduce`` (diagnostic, bf16-mixed): ``ampzero`` with
-  ``lower_precision_safe_modules=[]``: every gradient reduced in fp32, so no Linear becomes an
-  FSDP2 unit of its own (stages 1-3) and stage 0 needs no DDP comm hook; the units are those of
-  32-true. Measures what reducing Linear gradients in bf16 costs in collectives.
+  ``lower_precision_safe_modules=[]``: every gradient reduced in fp32, so the Linears need no
+  low-precision FSDP2 group of their own (stages 1-3; with them, one more group per unit) and
+  stage 0 needs no DDP comm hook; the units are those of 32-true. Measures what reducing Linear
+  gradients in bf16 costs in collectives.
 * ``lightning_ddp``: the same Trainer with Lightning's own ``strategy="ddp"``: Lightning's
   per-step cost with a strategy we did not write (the evidence for what Lightning costs).
 * ``fsdp2``: a bare loop over the model sharded by ``apply_zero`` with the policies
   ampzero's precision plugin computes: the same FSDP2 units, reshard settings, prefetch and
-  mixed-precision policies as ``ampzero`` at that stage and precision, without Lightning.
+  mixed-precision policies as ``ampzero`` at that stage and precision, without Lightning
+  (bf16-mixed: the Linears of each unit in one bf16-reducing group, as ``ampzero``).
 * ``ddp``: a bare loop over ``DistributedDataParallel`` (defaults), autocast for bf16-mixed.
 * ``deepspeed``: a bare loop over ``deepspeed.initialize(model, optimizer=AdamW(...),
   config=...)``: ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``, as DeepSpeed

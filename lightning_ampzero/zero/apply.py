@@ -27,10 +27,11 @@ from lightning_ampzero.config import ZeroConfig
 from lightning_ampzero.zero.units import Unit, find_blocks, group_units, leftover_modules
 
 
-def _reshard_after_forward(cfg: ZeroConfig, unit: Unit) -> "bool | int":
+def _reshard_after_forward(cfg: ZeroConfig, numel: int) -> "bool | int":
+    """Per FSDP2 group (one ``fully_shard`` call): ``numel`` is the elements that group gathers."""
     if cfg.stage < 3:
         return False
-    if unit.numel < cfg.param_persistence_threshold:
+    if numel < cfg.param_persistence_threshold:
         # [Note: persistent units] gathering a tiny unit twice costs two collective latencies
         # for almost no memory; DeepSpeed keeps such parameters gathered, and so do we.
         return False
@@ -53,6 +54,57 @@ def _prefetch_targets(units: list[Unit], budget: int) -> list[list[nn.Module]]:
     return targets
 
 
+def _numel(modules: list[nn.Module], exclude: "set[int] | frozenset[int]" = frozenset()) -> int:
+    """Elements of the parameters under ``modules``, each parameter once, less those in ``exclude`` (ids)."""
+    params = {id(p): p for m in modules for p in m.parameters() if id(p) not in exclude}
+    return sum(p.numel() for p in params.values())
+
+
+def _policy_groups(
+    unit: Unit, module_policies: Mapping[nn.Module, MixedPrecisionPolicy], names: Mapping[int, str]
+) -> list[tuple[Unit, MixedPrecisionPolicy]]:
+    """The modules under ``unit`` that have a policy of their own, one group per policy, innermost group first.
+
+    [Note: low-precision groups] FSDP2 takes one MixedPrecisionPolicy per ``fully_shard`` call,
+    and a call may take a list of modules: one parameter group, one all-gather and one
+    reduce-scatter for all of them, its pre-forward on the first module that runs and its
+    post-forward once all have run (torch 2.13 ``_register_group_forward_hooks``). So the modules
+    of a unit that share a policy (under "-mixed" the Linear layers of a block) make one group
+    together, and the unit costs two groups instead of one per Linear. Measured on the CPU suite's
+    bf16-mixed GPT (benchmarks/results/bf16_mixed_units/): one FSDP2 unit per Linear took 41 / 61
+    / 121 collectives per step at stages 1 / 2 / 3 and 1.3-1.7x DeepSpeed's step time; grouped,
+    11 / 16 / 31 and 0.92-1.12x, with identical losses. A module inside another of the same group
+    is covered by it; groups nested in one another are sharded innermost first (bottom-up, as
+    every FSDP2 unit).
+    """
+    found: dict[MixedPrecisionPolicy, list[nn.Module]] = {}
+    seen: set[int] = set()
+    for top in unit.modules:
+        for sub in top.modules():
+            policy = module_policies.get(sub)
+            if policy is not None and id(sub) not in seen:
+                seen.add(id(sub))
+                found.setdefault(policy, []).append(sub)
+    groups: list[tuple[list[nn.Module], MixedPrecisionPolicy, set[int]]] = []
+    for policy, mods in found.items():
+        below = {id(s) for m in mods for s in m.modules() if s is not m}
+        mods = [m for m in mods if id(m) not in below]
+        groups.append((mods, policy, below | {id(m) for m in mods}))
+    ordered: list[tuple[Unit, MixedPrecisionPolicy]] = []
+    while groups:
+        # innermost: a group none of whose modules holds a module of another remaining group
+        inner = [g for g in groups if not any(h is not g and any(id(m) in g[2] for m in h[0]) for h in groups)]
+        if not inner:
+            raise ValueError(
+                f"module_policies nest modules of different policies inside each other both ways in unit"
+                f" {unit.names}: FSDP2 shards bottom-up and cannot order them. Give the nested modules one policy."
+            )
+        mods, policy, _ = inner[0]
+        groups.remove(inner[0])
+        ordered.append((Unit(mods, [names[id(m)] for m in mods], _numel(mods)), policy))
+    return ordered
+
+
 def apply_zero(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -65,9 +117,11 @@ def apply_zero(
     """Shard ``model`` in place for ``cfg.stage`` (1-3); returns the communication units, root last.
 
     ``mp_policy`` applies to every unit. ``module_policies`` (from the precision plugin) names
-    modules that need a different policy: FSDP2 takes one policy per unit, so each becomes a unit
-    of its own, nested inside its block's unit (or, if it is a unit already, that unit takes the
-    policy). The nested units are not in the returned list. ``offload_policy`` (every unit):
+    modules that need a different policy: FSDP2 takes one policy per ``fully_shard`` call, so inside
+    each unit the modules sharing a policy are sharded together as one group nested in the unit
+    (see [Note: low-precision groups]), and the rest of the unit keeps ``mp_policy``; a unit made
+    only of such modules takes their policy. A module with a policy outside every unit is a group
+    of its own. The nested groups are not in the returned list. ``offload_policy`` (every unit):
     FSDP2's ``CPUOffloadPolicy`` for ``offload.offload_param='cpu'`` (offload/setup.py).
     """
     if cfg.stage == 0:
@@ -83,44 +137,69 @@ def apply_zero(
     units = group_units(blocks, cfg.unit_size)
     for run in leftover_modules(model, blocks):
         units.extend(group_units(run, cfg.unit_size))
-    # [precision] modules with a policy of their own (e.g. the Linear layers under "-mixed"),
-    # sharded first: bottom-up, a unit's parameters are those no inner unit claimed.
     module_policies = dict(module_policies or {})
-    single = {id(u.modules[0]) for u in units if len(u.modules) == 1}
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def shard(group: Unit, policy: MixedPrecisionPolicy) -> None:
+        fully_shard(group.target, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, group.numel),
+                    mp_policy=policy, offload_policy=offload_policy)
+
+    # Every fully_shard call below is one FSDP2 group; ``groups`` keeps them for prefetch.
+    groups: list[Unit] = []
+    in_units = {id(s) for u in units for m in u.modules for s in m.modules()}
+    # [precision] a module with a policy of its own outside every unit: a group by itself, as it is.
     for name, module in model.named_modules():
-        if module in module_policies and module is not model and id(module) not in single:
-            numel = sum(p.numel() for p in module.parameters())
-            fully_shard(module, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, Unit([module], [name], numel)),
-                        mp_policy=module_policies[module], offload_policy=offload_policy)
-    # Bottom-up: inner units first, so the root unit keeps only what no unit claimed.
+        if module in module_policies and module is not model and id(module) not in in_units:
+            group = Unit([module], [name], _numel([module]))
+            shard(group, module_policies[module])
+            groups.append(group)
+    # Bottom-up: inner groups first, so each unit, and last the root, keeps only what no inner
+    # group claimed.
     for unit in units:
-        if len(unit.modules) == 1:
-            target, policy = unit.target, module_policies.get(unit.modules[0], mp_policy)
-        else:
-            # [precision] a grouped unit leaves out the members sharded above with their own policy.
-            rest = [m for m in unit.modules if m not in module_policies]
-            if not rest:
-                continue
-            target, policy = (rest[0] if len(rest) == 1 else rest), mp_policy
-        fully_shard(target, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, unit), mp_policy=policy,
-                    offload_policy=offload_policy)
+        # [precision] the modules of the unit that share a policy, one group per policy.
+        claimed: set[int] = set()
+        for group, policy in _policy_groups(unit, module_policies, names):
+            shard(group, policy)
+            groups.append(group)
+            claimed.update(id(p) for m in group.modules for p in m.parameters())
+        rest = [m for m in unit.modules if m not in module_policies]
+        if rest:
+            group = Unit(rest, [names[id(m)] for m in rest], _numel(rest, exclude=claimed))
+            shard(group, mp_policy)
+            groups.append(group)
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)
 
-    # Prefetch follows execution order, which for the usual model (embeddings, blocks, head)
-    # is module order; units are sorted by the position of their first module.
+    if cfg.stage == 3 and cfg.prefetch_bucket_size > 0 and len(groups) > 1:
+        # Prefetch follows execution order, which for the usual model (embeddings, blocks, head)
+        # is module order: a group's forward starts at its first module to run (module pre-order)
+        # and its backward where its forward ended (the last module to finish, module post-order,
+        # backward runs it first). So a block's own group comes before its Linear group in both
+        # passes, and the head's group before ln_f's in backward.
+        pre = {id(m): i for i, m in enumerate(model.modules())}
+        post = {id(m): i for i, m in enumerate(_post_order(model))}
+        budget = int(cfg.prefetch_bucket_size)
+        forward = sorted(groups, key=lambda g: min(pre[id(m)] for m in g.modules))
+        backward = sorted(groups, key=lambda g: max(post[id(m)] for m in g.modules), reverse=True)
+        for group, targets in zip(forward, _prefetch_targets(forward, budget)):
+            if targets:
+                group.modules[0].set_modules_to_forward_prefetch(targets)
+        for group, targets in zip(backward, _prefetch_targets(backward, budget)):
+            if targets:
+                group.modules[0].set_modules_to_backward_prefetch(targets)
     order = {id(m): i for i, m in enumerate(model.modules())}
     units.sort(key=lambda u: order[id(u.modules[0])])
-    if cfg.stage == 3 and cfg.prefetch_bucket_size > 0 and len(units) > 1:
-        budget = int(cfg.prefetch_bucket_size)
-        for unit, targets in zip(units, _prefetch_targets(units, budget)):
-            if targets:
-                unit.modules[0].set_modules_to_forward_prefetch(targets)
-        reverse = units[::-1]
-        for unit, targets in zip(reverse, _prefetch_targets(reverse, budget)):
-            if targets:
-                unit.modules[0].set_modules_to_backward_prefetch(targets)
     root_numel = sum(p.numel() for p in model.parameters()) - sum(u.numel for u in units)
     return units + [Unit([model], [""], root_numel)]
+
+
+def _post_order(module: nn.Module, seen: Optional[set[int]] = None) -> Iterator[nn.Module]:
+    """``module.modules()`` in post-order (children before their parent), each module once."""
+    seen = set() if seen is None else seen
+    seen.add(id(module))
+    for child in module.children():
+        if id(child) not in seen:
+            yield from _post_order(child, seen)
+    yield module
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
