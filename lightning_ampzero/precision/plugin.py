@@ -159,9 +159,10 @@ class AmpZeroPrecision(Precision):
     def fsdp_policies(self, module: nn.Module, stage: int) -> tuple[Any, dict[nn.Module, Any]]:
         """Stages 1-3: the policy of every unit, and modules that need a unit (and policy) of their own.
 
-        "-mixed" with no ``communication_data_type``: each ``lower_precision_safe_modules``
-        module becomes its own unit (inside its block's), reducing in the low dtype and, under
-        stage 3, all-gathering in it. FSDP2 takes one policy per unit, hence the extra units.
+        "-mixed" with no ``communication_data_type``: the ``lower_precision_safe_modules``
+        modules get the low-dtype policy, reducing in the low dtype and, under stage 3,
+        all-gathering in it. FSDP2 takes one policy per ``fully_shard`` call, so apply_zero shards
+        the safe modules of each unit together as one group inside it ([Note: low-precision groups]).
         """
         return fsdp_policies(self.plan, module, stage)
 
