@@ -43,6 +43,7 @@ def _per_linear_layout(model, mesh, cfg, mp_policy, module_policies):
     """The layout before grouping: every module with a policy an FSDP2 unit of its own."""
     from torch.distributed.fsdp import fully_shard
 
+    from lightning_ampzero.zero.comm import LowPrecisionReduceScatter
     from lightning_ampzero.zero.units import find_blocks, group_units, leftover_modules
 
     blocks = find_blocks(model, ())
@@ -52,6 +53,8 @@ def _per_linear_layout(model, mesh, cfg, mp_policy, module_policies):
     reshard = cfg.stage == 3
     for module, policy in module_policies.items():
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        if getattr(policy, "comm_dtype", None) is not None:  # stage 1: fp32 accumulation, low-dtype wire
+            module.set_custom_reduce_scatter(LowPrecisionReduceScatter(policy.comm_dtype))
     for unit in units:
         rest = [m for m in unit.modules if m not in module_policies]
         if rest:
@@ -107,7 +110,10 @@ def _full(model):
 
 
 def _groups(model):
-    """Each FSDP2 group (one fully_shard call): its modules' names and (param_dtype, reduce_dtype)."""
+    """Each FSDP2 group (one fully_shard call): its modules' names and (param_dtype, wire dtype of its gradients).
+
+    The wire dtype is the policy's ``reduce_dtype``, or its ``comm_dtype`` where a custom
+    reduce-scatter sends in that dtype (stage 1 safe modules, zero/comm.py)."""
     from torch.distributed.fsdp import FSDPModule
 
     states: dict[int, list] = {}
@@ -115,7 +121,8 @@ def _groups(model):
         if isinstance(m, FSDPModule) and m is not model:
             state = m._get_fsdp_state()
             pol = state._mp_policy
-            states.setdefault(id(state), [[], (str(pol.param_dtype), str(pol.reduce_dtype))])[0].append(name)
+            wire = getattr(pol, "comm_dtype", None) or pol.reduce_dtype
+            states.setdefault(id(state), [[], (str(pol.param_dtype), str(wire))])[0].append(name)
     return sorted((tuple(names), dtypes) for names, dtypes in states.values())
 
 

@@ -118,13 +118,20 @@ def fsdp_policies(plan: DtypePlan, model: nn.Module, stage: int) -> tuple[object
     root = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if plan.safe_reduce_dtype is None:
         return root, {}
-    safe = MixedPrecisionPolicy(
-        param_dtype=plan.low_dtype if stage == 3 else None,
-        reduce_dtype=plan.safe_reduce_dtype,
-        # Inputs of a safe module (a Linear) are cast to its gathered dtype: what autocast does
-        # to them anyway, and no dtype mismatch if it is called outside autocast.
-        cast_forward_inputs=True,
-    )
+    from lightning_ampzero.zero.comm import HAS_CUSTOM_REDUCE_SCATTER, CommDtypePolicy
+
+    # Inputs of a safe module (a Linear) are cast to its gathered dtype: what autocast does to
+    # them anyway, and no dtype mismatch if it is called outside autocast.
+    if stage == 1 and HAS_CUSTOM_REDUCE_SCATTER:
+        # Accumulate in fp32 between micro-batches, send in the low dtype: see
+        # [Note: stage 1 accumulation dtype] in zero/comm.py.
+        safe: MixedPrecisionPolicy = CommDtypePolicy(cast_forward_inputs=True, comm_dtype=plan.safe_reduce_dtype)
+    else:
+        safe = MixedPrecisionPolicy(
+            param_dtype=plan.low_dtype if stage == 3 else None,
+            reduce_dtype=plan.safe_reduce_dtype,
+            cast_forward_inputs=True,
+        )
     return root, {m: safe for _, m in safe_modules(model, plan.safe_modules)}
 
 

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_ampzero.config import ZeroConfig
+from lightning_ampzero.zero.comm import LowPrecisionReduceScatter
 from lightning_ampzero.zero.units import Unit, find_blocks, group_units, leftover_modules
 
 
@@ -143,6 +144,9 @@ def apply_zero(
     def shard(group: Unit, policy: MixedPrecisionPolicy) -> None:
         fully_shard(group.target, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, group.numel),
                     mp_policy=policy, offload_policy=offload_policy)
+        comm_dtype = getattr(policy, "comm_dtype", None)
+        if comm_dtype is not None:  # [precision] see [Note: stage 1 accumulation dtype] in comm.py
+            group.modules[0].set_custom_reduce_scatter(LowPrecisionReduceScatter(comm_dtype))
 
     # Every fully_shard call below is one FSDP2 group; ``groups`` keeps them for prefetch.
     groups: list[Unit] = []
