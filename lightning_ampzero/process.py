@@ -28,24 +28,35 @@ from typing import NoReturn
 
 
 def exit_process(code: int = 0) -> NoReturn:
-    """Flush, destroy the default process group if any, and ``os._exit(code)``."""
+    """Destroy the default process group if any, flush, and ``os._exit(code)``."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()  # first: what it logs or prints is flushed below
+    logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # a closed or detached stream has nothing left to lose
             pass
-    logging.shutdown()
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
     os._exit(code)
 
 
 def run_and_exit(main, *args, **kwargs) -> NoReturn:  # type: ignore[no-untyped-def]
-    """``exit_process(main(*args, **kwargs) or 0)``; an exception propagates (normal exit, code 1).
+    """``exit_process`` with ``main(*args, **kwargs)``'s exit status; an exception propagates.
 
     For a script's ``if __name__ == "__main__":`` block: success leaves through
-    :func:`exit_process`, a failure keeps Python's traceback and exit status.
+    :func:`exit_process`, a failure keeps Python's traceback and exit status. The return value
+    maps to a status as ``sys.exit`` maps its argument: None -> 0, an int -> itself, anything
+    else (a message) -> printed to stderr, 1.
     """
-    code = main(*args, **kwargs)
-    exit_process(code if isinstance(code, int) else 0)
+    exit_process(exit_status(main(*args, **kwargs)))
+
+
+def exit_status(code: object) -> int:
+    """The exit status ``sys.exit(code)`` would give."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_ampzero.hydra_schema import TrainAppConfig, conf_dir, explain_error, register_configs, typed_config
-from lightning_ampzero.process import exit_process
+from lightning_ampzero.process import exit_process, exit_status
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +65,12 @@ class ConfigError(ValueError):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Any:
-    """Console-script entry point. ``argv`` defaults to ``sys.argv[1:]``."""
+    """The job (or, with ``--ampzero-worker``, one worker); returns. ``argv`` defaults to ``sys.argv[1:]``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == [WORKER_FLAG]:
         if len(args) != 2:
             raise SystemExit(f"usage: python -m lightning_ampzero.train {WORKER_FLAG} <job.json>")
-        # Leaves through exit_process: see [Note: exit without finalization] in process.py.
-        exit_process(worker_main(Path(args[1])))
+        return worker_main(Path(args[1]))
     register_configs()
     try:
         preflight(args)
@@ -84,12 +83,21 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
     sys.argv = [sys.argv[0], *args]
     entry = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=CONFIG_NAME)(run_job)
     entry()
+    return None  # cli_main passes this to sys.exit
+
+
+def cli_main() -> None:
+    """The ``ampzero-train`` console script and ``python -m lightning_ampzero.train``: :func:`main`, then exit.
+
+    A process that was a rank itself (a worker, or one process / torchrun / SLURM in place) leaves
+    through :func:`~lightning_ampzero.process.exit_process`: see [Note: exit without finalization]
+    in process.py. :func:`main` itself returns, so calling it from Python keeps the interpreter.
+    """
+    code = main()
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        # This process was a rank itself (one process, torchrun, SLURM): leave without
-        # finalization, see [Note: exit without finalization] in process.py.
-        exit_process(0)
-    return None  # the console script passes this to sys.exit
+        exit_process(exit_status(code))
+    sys.exit(code)
 
 
 def _parse_hydra_args(args: Sequence[str]) -> Any:
@@ -520,4 +528,4 @@ def print_summary(summary: dict[str, Any], console: Any = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli_main()

@@ -23,7 +23,7 @@ BODY = textwrap.dedent("""
     sys.stderr.write("unflushed stderr")
     if sys.argv[2] == "direct":
         exit_process(3)
-    run_and_exit(lambda: 4 if sys.argv[2] == "code" else None)
+    run_and_exit(lambda: {"code": 4, "message": "a message"}.get(sys.argv[2]))
 """)
 
 
@@ -41,3 +41,5 @@ def test_exit_process_flushes_and_keeps_the_code(tmp_path):
         assert proc.stdout == "unflushed stdout", mode  # flushed, and no finalization (atexit skipped)
         assert proc.stderr.endswith("unflushed stderr"), mode
         assert "logged before exit" in log, mode
+    proc, _ = _run(tmp_path, "message")  # a non-int result exits 1 with the message, as sys.exit does
+    assert proc.returncode == 1 and proc.stderr.endswith("unflushed stderra message\n"), proc.stderr[-500:]

@@ -330,3 +330,33 @@ def test_policy_groups_per_unit_nested_and_innermost_first():
     a, b = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="different policies inside each other"):
         _groups_of([a, b], {a: low, a[0]: half, b: half, b[0]: low})
+
+
+def _persistent_body(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_ampzero.config import ZeroConfig
+    from lightning_ampzero.zero.apply import apply_zero
+
+    model = _gpt()
+    root, per_module = _policies(model, 3)
+    # The blocks' fp32 rest (2 LayerNorms, 128 elements) and ln_f (64) fall under the threshold and
+    # stay gathered; the Linear groups (~12.5k elements), wte+wpe and head are resharded.
+    cfg = ZeroConfig(stage=3, reduce_bucket_size=ONE_BLOCK_PER_UNIT, param_persistence_threshold=1_000,
+                     prefetch_bucket_size=1)
+    apply_zero(model, init_device_mesh("cpu", (world,)), cfg, root, module_policies=per_module)
+    fwd, bwd = _prefetch_chains(model)
+    return dict(fwd=fwd, bwd=bwd)
+
+
+@pytest.mark.slow
+def test_stage3_prefetch_skips_groups_that_stay_gathered():
+    """A persistent group takes no slot in the prefetch chain: each resharded group prefetches the
+    next resharded one (with it in the chain, a Linear group would be prefetched only by its own
+    block's LayerNorm group, which runs just before it: no overlap)."""
+    r = spawn(_persistent_body, world_size=2, timeout=120)[0]
+    persistent = {f"blocks.{b}": [] for b in range(N_LAYER)} | {"ln_f": []}
+    order = ["wte"] + [f"blocks.{b}.attn.qkv" for b in range(N_LAYER)] + ["head"]
+    assert r["fwd"] == {a: [b] for a, b in zip(order, order[1:])} | {"head": []} | persistent
+    back = order[::-1]
+    assert r["bwd"] == {a: [b] for a, b in zip(back, back[1:])} | {"wte": []} | persistent

@@ -107,9 +107,11 @@ def fsdp_policies(plan: DtypePlan, model: nn.Module, stage: int) -> tuple[object
     """FSDP2 policies: the one of every unit, and those of modules that must be units of their own.
 
     "-true": every unit gathers parameters in the low dtype and reduces in ``reduce_dtype``.
-    "-mixed": parameters stay fp32 (autocast casts per op); the safe modules become units of
-    their own that reduce in the low dtype and, under stage 3, all-gather in it (autocast would
-    cast their weights to it anyway, so the forward is unchanged; the gather moves half the bytes).
+    "-mixed": parameters stay fp32 (autocast casts per op); the safe modules get a policy of their
+    own (apply_zero shards those of a unit as one group) that reduces in the low dtype and, under
+    stage 3, all-gathers in it (autocast would cast their weights to it anyway, so the forward is
+    unchanged; the gather moves half the bytes). At stage 1 they accumulate in fp32 between
+    micro-batches and only the reduce-scatter sends the low dtype (zero/comm.py).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

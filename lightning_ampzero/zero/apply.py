@@ -173,7 +173,7 @@ def apply_zero(
             groups.append(group)
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)
 
-    if cfg.stage == 3 and cfg.prefetch_bucket_size > 0 and len(groups) > 1:
+    if cfg.stage == 3 and cfg.prefetch_bucket_size > 0:
         # Prefetch follows execution order, which for the usual model (embeddings, blocks, head)
         # is module order: a group's forward starts at its first module to run (module pre-order)
         # and its backward where its forward ended (the last module to finish, module post-order,
@@ -182,8 +182,12 @@ def apply_zero(
         pre = {id(m): i for i, m in enumerate(model.modules())}
         post = {id(m): i for i, m in enumerate(_post_order(model))}
         budget = int(cfg.prefetch_bucket_size)
-        forward = sorted(groups, key=lambda g: min(pre[id(m)] for m in g.modules))
-        backward = sorted(groups, key=lambda g: max(post[id(m)] for m in g.modules), reverse=True)
+        # A persistent group (under param_persistence_threshold) stays gathered: it needs no
+        # prefetch and must not take a slot of the chain, or the next resharded group would be
+        # prefetched only by the persistent group running just before it (no overlap).
+        chain = [g for g in groups if _reshard_after_forward(cfg, g.numel) is not False]
+        forward = sorted(chain, key=lambda g: min(pre[id(m)] for m in g.modules))
+        backward = sorted(chain, key=lambda g: max(post[id(m)] for m in g.modules), reverse=True)
         for group, targets in zip(forward, _prefetch_targets(forward, budget)):
             if targets:
                 group.modules[0].set_modules_to_forward_prefetch(targets)

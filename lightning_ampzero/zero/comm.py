@@ -27,8 +27,6 @@ except ImportError:  # pragma: no cover - older torch
     _ReduceScatter = None  # type: ignore[assignment,misc]
 
 HAS_CUSTOM_REDUCE_SCATTER = _ReduceScatter is not None
-# torch 2.13 deprecates reduce_scatter_tensor for reduce_scatter_single (same arguments).
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -66,10 +64,20 @@ class LowPrecisionReduceScatter(_ReduceScatter if _ReduceScatter is not None els
         async_op: bool = False,
     ) -> Optional[dist.Work]:
         if op == dist.ReduceOp.AVG:
-            send, op = input_tensor.div(dist.get_world_size(group)).to(self.dtype), dist.ReduceOp.SUM
-        else:
+            # divide straight into the low-dtype buffer: no fp32 temporary the size of the input
+            send = torch.empty(input_tensor.shape, dtype=self.dtype, device=input_tensor.device)
+            torch.div(input_tensor, dist.get_world_size(group), out=send)
+            op = dist.ReduceOp.SUM
+        elif op == dist.ReduceOp.SUM:  # FSDP2 divides before / after the call itself
             send = input_tensor.to(self.dtype)
+        else:
+            raise NotImplementedError(
+                f"LowPrecisionReduceScatter handles the AVG and SUM reductions FSDP2 uses by default, got {op}:"
+                " leave the gradient divide factor of stage 1 -mixed modules at its default."
+            )
         received = torch.empty(output_tensor.shape, dtype=self.dtype, device=output_tensor.device)
-        _reduce_scatter(received, send, op=op, group=group)
+        # Looked up at call time, so tools that patch torch.distributed (traffic counters) see it.
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        reduce_scatter(received, send, op=op, group=group)
         output_tensor.copy_(received)
         return None  # done: FSDP2 waits on nothing
