@@ -27,11 +27,21 @@ import sys
 from typing import NoReturn
 
 
+def in_process_group() -> bool:
+    """Whether this process has a default process group (never imports torch to find out)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group if there is one: local, no collective."""
+    if in_process_group():
+        sys.modules["torch.distributed"].destroy_process_group()
+
+
 def exit_process(code: int = 0) -> NoReturn:
     """Destroy the default process group if any, flush, and ``os._exit(code)``."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()  # first: what it logs or prints is flushed below
+    destroy_process_group()  # first: what it logs or prints is flushed below
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -54,6 +54,7 @@ from lightning_ampzero.fp8 import convert_to_fp8, fp8_optimizers
 from lightning_ampzero.offload import setup as offload_setup
 from lightning_ampzero.offload.optimizer import is_offloaded
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
+from lightning_ampzero.process import destroy_process_group
 from lightning_ampzero.zero.apply import apply_zero, fsdp_modules, no_sync
 from lightning_ampzero.zero.materialize import check_built_for_stage3, materialize_meta_
 
@@ -114,11 +115,6 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
     if top_kw:
         cfg = dataclasses.replace(cfg, **top_kw)
     return cfg, imported
-
-
-def _destroy_process_group() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 class AmpZeroStrategy(ParallelStrategy):
@@ -226,12 +222,13 @@ class AmpZeroStrategy(ParallelStrategy):
         created = not torch.distributed.is_initialized()
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         if created:
-            # The process group outlives fit() (later fits/tests reuse it); at interpreter exit an
-            # undestroyed gloo group can abort with "terminate called without an active exception"
-            # while its threads are torn down. Destroying it is local (no collective).
+            # The process group outlives fit() (later fits/tests reuse it); destroy it at exit
+            # (local, no collective). A user's script still goes through interpreter finalization,
+            # which can race gloo's threads: our own entry points leave through exit_process, see
+            # [Note: exit without finalization] in process.py.
             import atexit
 
-            atexit.register(_destroy_process_group)
+            atexit.register(destroy_process_group)
         from torch.distributed.device_mesh import init_device_mesh
 
         self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))

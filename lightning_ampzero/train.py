@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_ampzero.hydra_schema import TrainAppConfig, conf_dir, explain_error, register_configs, typed_config
-from lightning_ampzero.process import exit_process, exit_status
+from lightning_ampzero.process import exit_process, exit_status, in_process_group
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,7 @@ def cli_main() -> None:
     in process.py. :func:`main` itself returns, so calling it from Python keeps the interpreter.
     """
     code = main()
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if in_process_group():
         exit_process(exit_status(code))
     sys.exit(code)
 

@@ -168,13 +168,18 @@ _SCHEDULER_PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warm
 _DS_OTHER_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupCosineLR")
 
 
+def _type_and_params(conv: Any, data: dict[str, Any], section: str, known: tuple[str, ...]) -> tuple[str, Any]:
+    """The ``type`` and the checked ``params`` of an ``optimizer`` / ``scheduler`` section."""
+    conv.check_keys(data, ("type", "params"), section)
+    params = conv.section(data.get("params"), f"{section}.params")
+    conv.check_keys(params, known, f"{section}.params")
+    return str(data.get("type", "")), params
+
+
 def convert_optimizer(conv: Any, opt: dict[str, Any]) -> None:
     if not opt:
         return
-    conv.check_keys(opt, ("type", "params"), "optimizer")
-    name = str(opt.get("type", ""))
-    params = conv.section(opt.get("params"), "optimizer.params")
-    conv.check_keys(params, _OPTIMIZER_PARAMS, "optimizer.params")
+    name, params = _type_and_params(conv, opt, "optimizer", _OPTIMIZER_PARAMS)
     kind = _OPTIMIZER_NAMES.get(name.lower())
     if kind is None:
         hint = suggest(name, _OPTIMIZER_NAMES.values())
@@ -208,10 +213,7 @@ def convert_optimizer(conv: Any, opt: dict[str, Any]) -> None:
 def convert_scheduler(conv: Any, sched: dict[str, Any]) -> None:
     if not sched:
         return
-    conv.check_keys(sched, ("type", "params"), "scheduler")
-    name = str(sched.get("type", ""))
-    params = conv.section(sched.get("params"), "scheduler.params")
-    conv.check_keys(params, _SCHEDULER_PARAMS, "scheduler.params")
+    name, params = _type_and_params(conv, sched, "scheduler", _SCHEDULER_PARAMS)
     if name not in SCHEDULERS:
         hint = suggest(name, SCHEDULERS)
         extra = " (a DeepSpeed scheduler: configure it in your LightningModule)" if name in _DS_OTHER_SCHEDULERS else ""
