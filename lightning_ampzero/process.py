@@ -12,11 +12,20 @@ process: "terminate called without an active exception", exit status -6 (SIGABRT
 the work succeeded. It is a timing race (pytorch/pytorch#190489 tracks it upstream), rare on an
 idle machine and common on a loaded one.
 
-A process whose work is done therefore flushes what it owns (standard streams, logging
-handlers), destroys the process group (local, no collective) and leaves with ``os._exit``: no
-finalization, no race. The library's strategy cannot do this for a user's script (it would skip
-the user's own exit handlers), so it only destroys the process group at exit; our own entry
-points (``ampzero-train``'s workers, the test scripts) call this function.
+Two defences, one for each kind of process:
+
+- Our own entry points (``ampzero-train``'s workers, the test scripts) flush what they own
+  (standard streams, logging handlers), destroy the process group (local, no collective) and
+  leave with ``os._exit`` (:func:`exit_process`): no finalization, no race.
+- A user's script must keep its exit status and its own exit handlers, so the strategy registers
+  :func:`release_process_groups` with ``atexit`` instead. ``destroy_process_group()`` alone does
+  not stop the threads: the groups stay referenced by the DeviceMesh's group registry (itself
+  kept alive by DTensor's sharding caches), by FSDP2's mesh infos and by DDP's C++ reducer, all
+  of which outlive the fit in a script that keeps its model. Dropping those references frees the
+  groups while the interpreter is still whole (atexit handlers run before finalization); a
+  group's destructor lets go of the GIL, drains its queue and joins its threads. CI saw the abort
+  in a user-style example script that exited normally (tests/test_process.py checks that no
+  c10d thread is left after the hook, for the holders of each stage).
 """
 
 from __future__ import annotations
@@ -37,6 +46,47 @@ def destroy_process_group() -> None:
     """Destroy the default process group if there is one: local, no collective."""
     if in_process_group():
         sys.modules["torch.distributed"].destroy_process_group()
+
+
+# Classes whose instances may hold a process group as a plain attribute (FSDP2's mesh infos,
+# our communication hooks' states): their group attributes are dropped at exit.
+_HOLDER_MODULES = ("torch.distributed.", "lightning_ampzero.")
+
+
+def _held_by_us(obj: object) -> bool:
+    module = vars(type(obj)).get("__module__")  # some extension types have none, or a descriptor
+    return isinstance(module, str) and module.startswith(_HOLDER_MODULES) and hasattr(obj, "__dict__")
+
+
+def release_process_groups() -> None:
+    """At exit: destroy the default group and drop what keeps the groups (and their threads) alive.
+
+    For an ``atexit`` hook only: it makes every DeviceMesh, FSDP2-sharded module and
+    DistributedDataParallel module in the process unusable for communication. Local, no
+    collective; a no-op in a process that never imported torch.distributed.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available():
+        return
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    destroy_process_group()
+    group_type = dist.ProcessGroup
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            # A dict of strings to groups is not tracked by the collector: clear it by its owner.
+            getattr(obj, "_pg_registry", {}).clear()
+        elif isinstance(obj, DistributedDataParallel):
+            for name in ("reducer", "logger", "process_group"):  # the C++ reducer holds the group
+                obj.__dict__.pop(name, None)
+        elif _held_by_us(obj):
+            held = [k for k, v in vars(obj).items() if isinstance(v, group_type)]
+            for name in held:
+                vars(obj)[name] = None
+    gc.collect()  # the fit's reference cycles (Trainer <-> strategy <-> module) hold groups too
 
 
 def exit_process(code: int = 0) -> NoReturn:

@@ -54,7 +54,7 @@ from lightning_ampzero.fp8 import convert_to_fp8, fp8_optimizers
 from lightning_ampzero.offload import setup as offload_setup
 from lightning_ampzero.offload.optimizer import is_offloaded
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
-from lightning_ampzero.process import destroy_process_group
+from lightning_ampzero.process import release_process_groups
 from lightning_ampzero.zero.apply import apply_zero, fsdp_modules, no_sync
 from lightning_ampzero.zero.materialize import check_built_for_stage3, materialize_meta_
 
@@ -222,13 +222,12 @@ class AmpZeroStrategy(ParallelStrategy):
         created = not torch.distributed.is_initialized()
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         if created:
-            # The process group outlives fit() (later fits/tests reuse it); destroy it at exit
-            # (local, no collective). A user's script still goes through interpreter finalization,
-            # which can race gloo's threads: our own entry points leave through exit_process, see
-            # [Note: exit without finalization] in process.py.
+            # The process group outlives fit() (later fits/tests reuse it); at exit, destroy it
+            # and free it, so its threads stop before the interpreter finalizes (local, no
+            # collective): [Note: exit without finalization] in process.py.
             import atexit
 
-            atexit.register(destroy_process_group)
+            atexit.register(release_process_groups)
         from torch.distributed.device_mesh import init_device_mesh
 
         self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))
