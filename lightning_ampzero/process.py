@@ -58,7 +58,13 @@ def _held_by_us(obj: object) -> bool:
     return isinstance(module, str) and module.startswith(_HOLDER_MODULES) and hasattr(obj, "__dict__")
 
 
-def release_process_groups() -> None:
+# How long the exit hook waits for the groups' threads to stop. They stop at once unless a
+# collective is still in flight (a peer that crashed or diverged), which would otherwise hold
+# the exit for the whole process-group timeout.
+RELEASE_TIMEOUT_S = 10.0
+
+
+def release_process_groups(timeout_s: float = RELEASE_TIMEOUT_S) -> None:
     """At exit: destroy the default group and drop what keeps the groups (and their threads) alive.
 
     For an ``atexit`` hook only: it makes every DeviceMesh, FSDP2-sharded module and
@@ -69,24 +75,36 @@ def release_process_groups() -> None:
     if dist is None or not dist.is_available():
         return
     import gc
+    import threading
 
     from torch.distributed.device_mesh import DeviceMesh
     from torch.nn.parallel import DistributedDataParallel
 
+    # Every group, held here until the end so that the last reference drops where we choose.
+    groups: list = list(sys.modules["torch.distributed.distributed_c10d"]._world.pg_map)
     destroy_process_group()
     group_type = dist.ProcessGroup
     for obj in gc.get_objects():
         if isinstance(obj, DeviceMesh):
             # A dict of strings to groups is not tracked by the collector: clear it by its owner.
-            getattr(obj, "_pg_registry", {}).clear()
+            registry = getattr(obj, "_pg_registry", {})
+            groups.extend(registry.values())
+            registry.clear()
         elif isinstance(obj, DistributedDataParallel):
             for name in ("reducer", "logger", "process_group"):  # the C++ reducer holds the group
                 obj.__dict__.pop(name, None)
         elif _held_by_us(obj):
             held = [k for k, v in vars(obj).items() if isinstance(v, group_type)]
             for name in held:
+                groups.append(vars(obj)[name])
                 vars(obj)[name] = None
     gc.collect()  # the fit's reference cycles (Trainer <-> strategy <-> module) hold groups too
+    # The destructors run on a helper thread (they let go of the GIL): a group's destructor joins
+    # its threads, which waits for a collective still in flight; past timeout_s the exit goes on
+    # as it would have without this hook.
+    releaser = threading.Thread(target=groups.clear, name="ampzero-release-groups", daemon=True)
+    releaser.start()
+    releaser.join(timeout_s)
 
 
 def exit_process(code: int = 0) -> NoReturn:

@@ -60,3 +60,39 @@ def test_a_user_script_exits_with_no_c10d_thread_left(tmp_path):
         assert "pt_gloo_runloop" in seen["before_hook"], (rank, seen)
         # ...and the hook stops them before finalization, where they could abort the exit.
         assert not [t for t in seen["after_hook"] if t in C10D_THREADS], (rank, seen)
+
+
+STUCK = textwrap.dedent("""
+    import os, sys, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from lightning_ampzero.process import release_process_groups
+
+    rank, path = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    if rank == 1:
+        time.sleep(60)  # never joins rank 0's all-reduce
+    else:
+        dist.all_reduce(torch.ones(1), async_op=True)  # in flight on gloo's thread until the timeout
+        start = time.monotonic()
+        release_process_groups(timeout_s=2.0)
+        print(f"released in {time.monotonic() - start:.2f}", flush=True)
+        os._exit(0)
+""")
+
+
+def test_release_does_not_wait_for_a_collective_stuck_on_a_missing_peer(tmp_path):
+    """A crashed or diverged peer must not hold a rank's exit for the process-group timeout."""
+    store = str(tmp_path / "store")
+    peer = subprocess.Popen([sys.executable, "-c", STUCK, "1", store], env=script_env(), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc = subprocess.run([sys.executable, "-c", STUCK, "0", store], env=script_env(), capture_output=True,
+                              text=True, timeout=60, cwd=ROOT)
+    finally:
+        peer.kill()
+        peer.wait()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    elapsed = float(proc.stdout.split("released in ")[1])
+    assert 2.0 <= elapsed < 5.0, elapsed  # it waited its timeout for the stuck thread, and no longer
