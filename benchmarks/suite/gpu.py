@@ -152,7 +152,6 @@ def _run_ampzero(spec: dict, cfg: dict, loader: Any, device: str, mark: Any, tot
 
 def _run_deepspeed(spec: dict, cfg: dict, loader: Any, device: str, mark: Any) -> int:
     import deepspeed
-    import torch
 
     from lightning_ampzero.models.gpt import GPT, GPTConfig
 

@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_ampzero.optim import adam_implementation
+
 from .configs import BenchConfig, Workload
 from .meter import Meter
 
@@ -66,8 +68,8 @@ def adamw(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (decay if p.ndim >= 2 and "wpe" not in name else no_decay).append(p)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), foreach=True)
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **adam_implementation(groups))
 
 
 def _autocast(precision: str) -> Callable[[], Any]:

@@ -21,6 +21,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import time
 import traceback
 import warnings
@@ -61,7 +62,12 @@ def run_one(cfg: BenchConfig, w: Workload, rank: int, have_deepspeed: bool) -> d
         F.linear = _F_LINEAR
     comm = parse_trace(meter.trace_path) if meter.trace_path else None
     if meter.trace_path:
-        os.unlink(meter.trace_path)
+        keep = os.environ.get("AMPZERO_BENCH_TRACE_DIR")  # the profiled step's chrome trace, for a look
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            shutil.move(meter.trace_path, os.path.join(keep, f"{cfg.name.replace('/', '_')}-rank{rank}.json"))
+        else:
+            os.unlink(meter.trace_path)
     return {
         **info,
         "step_s": meter.step_times(w.warmup),

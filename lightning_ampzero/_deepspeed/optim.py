@@ -82,8 +82,12 @@ def build_optimizer(cfg: OptimizerConfig, params: Iterable[Any]) -> Any:
     """The torch optimizer of ``cfg`` over ``params`` (tensors or param-group dicts)."""
     import torch
 
+    from lightning_ampzero.optim import adam_implementation
+
+    params = list(params)
     cls = torch.optim.AdamW if cfg.type == "AdamW" else torch.optim.Adam
-    return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True)
+    return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+               **adam_implementation(params))
 
 
 def _lr_scheduler_base() -> type:
@@ -190,7 +194,7 @@ def convert_optimizer(conv: Any, opt: dict[str, Any]) -> None:
         kind = "AdamW"  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
     for key in ("torch_adam", "fused"):
         if key in params:
-            conv.no_effect.append((f"optimizer.params.{key}", "torch's foreach Adam(W) implementation is used"))
+            conv.no_effect.append((f"optimizer.params.{key}", "torch's fused Adam(W) is used on CPU and CUDA, foreach elsewhere"))
     if params.get("amsgrad"):
         conv.errors.append("optimizer.params.amsgrad=true is not supported.")
     if params.get("bias_correction") is False:

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_ampzero.models.config import GPTConfig
 from lightning_ampzero.models.init import init_parameters_
+from lightning_ampzero.optim import adam_implementation
 
 
 class CausalSelfAttention(nn.Module):
@@ -144,12 +145,8 @@ class GPTModule(_lightning_module_base()):  # type: ignore[misc]
         decay, no_decay = [], []
         for name, p in self.named_parameters():
             (decay if p.ndim >= 2 and "wpe" not in name else no_decay).append(p)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.lr,
-            betas=self.betas,
-            foreach=True,
-        )
+        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, **adam_implementation(groups))
         if not self.warmup_steps:
             return optimizer
         warmup = self.warmup_steps
