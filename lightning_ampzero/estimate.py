@@ -182,6 +182,9 @@ class ModelSize:
         unit: without ``units``: elements of the largest unit (e.g. a transformer block), every
             unit taken to be that large; 0 = ``largest_layer``.
         root: elements left to the root unit (gathered for the whole forward and backward).
+        reduce_group: elements of the largest gradient reduction below stage 3, when known from
+            a model: all of it when it fits one bucket ([Note: units below stage 3] in
+            zero/units.py); 0 = the largest unit.
         description: where the numbers come from, for tables.
     """
 
@@ -190,6 +193,7 @@ class ModelSize:
     units: tuple[int, ...] = ()
     unit: int = 0
     root: int = 0
+    reduce_group: int = 0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -217,7 +221,7 @@ def model_size(module: nn.Module, zero: Optional[ZeroConfig] = None, description
     Units are grouped exactly as :func:`lightning_ampzero.zero.apply_zero` groups them for ``zero``
     (its ``wrap_modules`` and bucket sizes), so the stage-3 working set follows the real wrapping.
     """
-    from lightning_ampzero.zero.units import find_blocks, group_units, leftover_modules
+    from lightning_ampzero.zero.units import plan_units
 
     zero = zero or ZeroConfig()
     seen: dict[int, int] = {}
@@ -226,15 +230,14 @@ def model_size(module: nn.Module, zero: Optional[ZeroConfig] = None, description
         seen.setdefault(id(p), p.numel())
     numel = sum(seen.values())
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
-    blocks = find_blocks(module, zero.wrap_modules)
-    units = group_units(blocks, zero.unit_size)
-    for run in leftover_modules(module, blocks):
-        units.extend(group_units(run, zero.unit_size))
+    units = plan_units(module, zero.wrap_modules, zero.unit_size, stage=3)  # the stage-3 working set uses them
     order = {id(m): i for i, m in enumerate(module.modules())}
     units.sort(key=lambda u: order[id(u.modules[0])])
     root = numel - sum(u.numel for u in units)
+    one_bucket = not plan_units(module, zero.wrap_modules, zero.unit_size, stage=2)
     return ModelSize(numel=numel, largest_layer=max(1, largest), units=tuple(u.numel for u in units),
-                     root=max(0, root), description=description or type(module).__name__)
+                     root=max(0, root), reduce_group=numel if one_bucket else 0,
+                     description=description or type(module).__name__)
 
 
 def gpt_size(cfg: Any, zero: Optional[ZeroConfig] = None) -> ModelSize:
@@ -392,7 +395,8 @@ def estimate(
     elif stage in (1, 2):
         base = zero_formula(psi, n_ranks, stage, param_bytes=copy, grad_bytes=unsharded if stage == 1 else FP32,
                             state_bytes=states)
-        working = unsharded * unit if stage == 2 else 0
+        # stage 2: the unsharded gradients of the largest reduction group, until its reduce-scatter
+        working = unsharded * (size.reduce_group or unit) if stage == 2 else 0
     else:
         base = zero_formula(psi, n_ranks, 3, state_bytes=states)
         working = copy * _stage3_gathered(size, zero) + unsharded * unit

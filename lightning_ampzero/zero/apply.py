@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 
 from lightning_ampzero.config import ZeroConfig
 from lightning_ampzero.zero.comm import LowPrecisionReduceScatter
-from lightning_ampzero.zero.units import Unit, find_blocks, group_units, leftover_modules
+from lightning_ampzero.zero.units import Unit, plan_units
 
 
 def _reshard_after_forward(cfg: ZeroConfig, numel: int) -> "bool | int":
@@ -134,10 +134,7 @@ def apply_zero(
         )
     mp_policy = mp_policy or MixedPrecisionPolicy()
     offload_policy = offload_policy or OffloadPolicy()  # the base class means "no offload"
-    blocks = find_blocks(model, cfg.wrap_modules)
-    units = group_units(blocks, cfg.unit_size)
-    for run in leftover_modules(model, blocks):
-        units.extend(group_units(run, cfg.unit_size))
+    units = plan_units(model, cfg.wrap_modules, cfg.unit_size, cfg.stage)  # [Note: units below stage 3]
     module_policies = dict(module_policies or {})
     names = {id(m): n for n, m in model.named_modules()}
 
@@ -151,12 +148,11 @@ def apply_zero(
     # Every fully_shard call below is one FSDP2 group; ``groups`` keeps them for prefetch.
     groups: list[Unit] = []
     in_units = {id(s) for u in units for m in u.modules for s in m.modules()}
-    # [precision] a module with a policy of its own outside every unit: a group by itself, as it is.
-    for name, module in model.named_modules():
-        if module in module_policies and module is not model and id(module) not in in_units:
-            group = Unit([module], [name], _numel([module]))
-            shard(group, module_policies[module])
-            groups.append(group)
+    # [precision] modules with a policy of their own outside every unit: one group per policy.
+    outside = {m: p for m, p in module_policies.items() if m is not model and id(m) not in in_units}
+    for group, policy in _policy_groups(Unit([model], [""], 0), outside, names):
+        shard(group, policy)
+        groups.append(group)
     # Bottom-up: inner groups first, so each unit, and last the root, keeps only what no inner
     # group claimed.
     for unit in units:

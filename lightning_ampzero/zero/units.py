@@ -110,3 +110,25 @@ def group_units(blocks: list[tuple[str, nn.Module]], unit_size: int) -> list[Uni
         else:
             units.append(Unit([module], [name], n))
     return units
+
+
+def plan_units(root: nn.Module, wrap_modules: tuple[str, ...], unit_size: int, stage: int) -> list[Unit]:
+    """The communication units of ``root`` at ``stage``, in no particular order (the root unit not included).
+
+    [Note: units below stage 3] Below stage 3 the parameters are gathered once per step and stay
+    gathered, so units decide nothing about parameter memory, only how gradients are bucketed
+    for the reduce-scatter: a unit's unsharded gradients live until its reduction. A model that
+    fits one bucket (``unit_size`` elements) is therefore reduced as one, as DeepSpeed reduces
+    it in one bucket: the root holds every module, and with the precision's low-precision groups
+    (zero/apply.py) a step costs one group per dtype instead of two per unit plus the
+    leftovers'. A larger model keeps the units of stage 3: per-block units, and units of their
+    own for the leftovers (:func:`leftover_modules`), whose gradients would otherwise wait in
+    the root through the whole backward (an output head and embeddings are often the largest).
+    """
+    if stage < 3 and _param_numel(root) <= unit_size:
+        return []
+    blocks = find_blocks(root, wrap_modules)
+    units = group_units(blocks, unit_size)
+    for run in leftover_modules(root, blocks):
+        units.extend(group_units(run, unit_size))
+    return units
