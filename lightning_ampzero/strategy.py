@@ -55,7 +55,7 @@ from lightning_ampzero.offload import setup as offload_setup
 from lightning_ampzero.offload.optimizer import is_offloaded
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
 from lightning_ampzero.process import release_process_groups
-from lightning_ampzero.zero.apply import apply_zero, fsdp_modules, no_sync
+from lightning_ampzero.zero.apply import apply_zero, fsdp_modules, no_sync, register_root_method
 from lightning_ampzero.zero.materialize import check_built_for_stage3, materialize_meta_
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -295,12 +295,10 @@ class AmpZeroStrategy(ParallelStrategy):
             self.units = apply_zero(module, self.device_mesh, self.config.zero, mp_policy,
                                     module_policies=module_policies, offload_policy=offload_policy)
             materialize_meta_(module, offload_setup.param_init_device(self.config.offload, self.root_device))
-            from torch.distributed.fsdp import register_fsdp_forward_method
-
             # Lightning calls training_step() etc., not forward(): make them run FSDP2's
             # root hooks too, or the root unit's parameters would stay sharded.
             for name in _STEP_METHODS:
-                register_fsdp_forward_method(module, name)
+                register_root_method(module, name)
             self.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
