@@ -75,7 +75,8 @@ def _policy_groups(
     together, and the unit costs two groups instead of one per Linear. Measured on the CPU suite's
     bf16-mixed GPT (benchmarks/results/bf16_mixed_units/): one FSDP2 unit per Linear took 41 / 61
     / 121 collectives per step at stages 1 / 2 / 3 and 1.3-1.7x DeepSpeed's step time; grouped,
-    11 / 16 / 31 and 0.92-1.12x, with identical losses. A module inside another of the same group
+    11 / 16 / 31 and 0.92-1.12x, with identical losses (a model that fits one bucket has since become
+    one unit below stage 3: [Note: units below stage 3] in units.py). A module inside another of the same group
     is covered by it; groups nested in one another are sharded innermost first (bottom-up, as
     every FSDP2 unit).
     """
