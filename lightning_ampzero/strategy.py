@@ -44,6 +44,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_ampzero._schema import suggest
@@ -55,6 +56,7 @@ from lightning_ampzero.offload import setup as offload_setup
 from lightning_ampzero.offload.optimizer import is_offloaded
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
 from lightning_ampzero.process import release_process_groups
+from lightning_ampzero.sigterm import AsyncSigtermBroadcast
 from lightning_ampzero.zero.apply import apply_zero, fsdp_modules, no_sync, register_root_method
 from lightning_ampzero.zero.materialize import check_built_for_stage3, materialize_meta_
 
@@ -154,6 +156,7 @@ class AmpZeroStrategy(ParallelStrategy):
         self._device_mesh: Any = None
         self.units: list[Any] = []
         self.activation_checkpointing: Any = None  # what apply_activation_checkpointing did (setup)
+        self._sigterm: Any = None  # (epoch loop, AsyncSigtermBroadcast) while fitting
 
     # ---- configuration -------------------------------------------------------------------
     @property
@@ -313,6 +316,16 @@ class AmpZeroStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device([o for o in self.optimizers if not is_offloaded(o)], self.root_device)
+            self._install_sigterm_broadcast(trainer)
+
+    def _install_sigterm_broadcast(self, trainer: "pl.Trainer") -> None:
+        # Lightning's per-batch SIGTERM broadcast, made asynchronous: [Note: asynchronous SIGTERM
+        # broadcast] in sigterm.py. An instance attribute over the loop's method, removed at teardown.
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        if self.world_size > 1 and callable(getattr(loop, "_broadcast_sigterm_tensor", None)):
+            check = AsyncSigtermBroadcast(lambda: trainer.received_sigterm, self.root_device, SIGTERMException)
+            loop._broadcast_sigterm_tensor = check  # type: ignore[union-attr]
+            self._sigterm = (loop, check)
 
     def _apply_activation_checkpointing(self, module: torch.nn.Module) -> None:
         self.activation_checkpointing = apply_activation_checkpointing(
@@ -379,6 +392,11 @@ class AmpZeroStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
+        if self._sigterm is not None:
+            loop, check = self._sigterm
+            check.forget()
+            loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+            self._sigterm = None
         offload_setup.close_optimizers(self.optimizers)  # [offload] host buffers, NVMe swap files
         ac = self.activation_checkpointing
         if ac is not None and ac.config.profile and ac.profile:

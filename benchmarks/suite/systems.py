@@ -182,12 +182,16 @@ def _sigterm_broadcast(enabled: bool) -> Iterator[None]:
         return
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-    original = _TrainingEpochLoop._broadcast_sigterm_tensor
+    from lightning_ampzero.sigterm import AsyncSigtermBroadcast
+
+    # Lightning's broadcast, and ampzero's asynchronous one that replaces it (sigterm.py)
+    originals = (_TrainingEpochLoop._broadcast_sigterm_tensor, AsyncSigtermBroadcast.__call__)
     _TrainingEpochLoop._broadcast_sigterm_tensor = lambda self: None
+    AsyncSigtermBroadcast.__call__ = lambda self: None
     try:
         yield
     finally:
-        _TrainingEpochLoop._broadcast_sigterm_tensor = original
+        _TrainingEpochLoop._broadcast_sigterm_tensor, AsyncSigtermBroadcast.__call__ = originals
 
 
 def run_lightning(cfg: BenchConfig, w: Workload, meter: Meter, rank: int) -> dict:
