@@ -221,7 +221,7 @@ def model_size(module: nn.Module, zero: Optional[ZeroConfig] = None, description
     Units are grouped exactly as :func:`lightning_ampzero.zero.apply_zero` groups them for ``zero``
     (its ``wrap_modules`` and bucket sizes), so the stage-3 working set follows the real wrapping.
     """
-    from lightning_ampzero.zero.units import plan_units
+    from lightning_ampzero.zero.units import one_unit_below_stage3, plan_units
 
     zero = zero or ZeroConfig()
     seen: dict[int, int] = {}
@@ -234,9 +234,8 @@ def model_size(module: nn.Module, zero: Optional[ZeroConfig] = None, description
     order = {id(m): i for i, m in enumerate(module.modules())}
     units.sort(key=lambda u: order[id(u.modules[0])])
     root = numel - sum(u.numel for u in units)
-    one_bucket = not plan_units(module, zero.wrap_modules, zero.unit_size, stage=2)
     return ModelSize(numel=numel, largest_layer=max(1, largest), units=tuple(u.numel for u in units),
-                     root=max(0, root), reduce_group=numel if one_bucket else 0,
+                     root=max(0, root), reduce_group=numel if one_unit_below_stage3(numel, zero.unit_size) else 0,
                      description=description or type(module).__name__)
 
 

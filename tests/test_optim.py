@@ -26,11 +26,11 @@ def test_gpt_module_steps_with_the_fused_kernel_and_foreach_numerics():
     # The same steps with foreach, from the same start: the update rule is the same.
     params = [p for g in opt.param_groups for p in g["params"]]
     start = [p.detach().clone() for p in params]
-    reference = [p.detach().clone().requires_grad_() for p in params]
-    ref_groups = [{**{k: v for k, v in g.items() if k != "params"}, "fused": None, "foreach": True,
-                   "params": reference[i:i + len(g["params"])]}
-                  for i, g in zip((0, len(opt.param_groups[0]["params"])), opt.param_groups)]
+    copies = iter(p.detach().clone().requires_grad_() for p in params)
+    ref_groups = [{**g, "fused": None, "foreach": True, "params": [next(copies) for _ in g["params"]]}
+                  for g in opt.param_groups]
     ref_opt = torch.optim.AdamW(ref_groups)
+    reference = [p for g in ref_opt.param_groups for p in g["params"]]
     g = torch.Generator().manual_seed(1)
     for _ in range(5):
         for p, r in zip(params, reference):

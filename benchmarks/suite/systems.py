@@ -41,8 +41,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_ampzero.optim import adam_implementation
-
 from .configs import BenchConfig, Workload
 from .meter import Meter
 
@@ -64,12 +62,10 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def adamw(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """AdamW with GPTModule.configure_optimizers' groups and hyper-parameters."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (decay if p.ndim >= 2 and "wpe" not in name else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **adam_implementation(groups))
+    """AdamW with GPTModule.configure_optimizers' groups and hyper-parameters (its defaults)."""
+    from lightning_ampzero.models.gpt import gpt_adamw
+
+    return gpt_adamw(model, lr)
 
 
 def _autocast(precision: str) -> Callable[[], Any]:

@@ -19,6 +19,16 @@ from lightning_ampzero.models.init import init_parameters_
 from lightning_ampzero.optim import adam_implementation
 
 
+def gpt_adamw(model: nn.Module, lr: float, betas: tuple[float, float] = (0.9, 0.95),
+              weight_decay: float = 0.1) -> torch.optim.AdamW:
+    """AdamW for a GPT: weight decay on matrices except the position embedding, fused where possible."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.ndim >= 2 and "wpe" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, **adam_implementation(groups))
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -142,11 +152,7 @@ class GPTModule(_lightning_module_base()):  # type: ignore[misc]
         return loss
 
     def configure_optimizers(self) -> Any:
-        decay, no_decay = [], []
-        for name, p in self.named_parameters():
-            (decay if p.ndim >= 2 and "wpe" not in name else no_decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, **adam_implementation(groups))
+        optimizer = gpt_adamw(self, self.lr, self.betas, self.weight_decay)
         if not self.warmup_steps:
             return optimizer
         warmup = self.warmup_steps

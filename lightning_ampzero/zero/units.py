@@ -112,6 +112,11 @@ def group_units(blocks: list[tuple[str, nn.Module]], unit_size: int) -> list[Uni
     return units
 
 
+def one_unit_below_stage3(numel: int, unit_size: int) -> bool:
+    """Whether a model of ``numel`` elements is a single unit below stage 3 (:func:`plan_units`)."""
+    return numel <= unit_size
+
+
 def plan_units(root: nn.Module, wrap_modules: tuple[str, ...], unit_size: int, stage: int) -> list[Unit]:
     """The communication units of ``root`` at ``stage``, in no particular order (the root unit not included).
 
@@ -125,7 +130,7 @@ def plan_units(root: nn.Module, wrap_modules: tuple[str, ...], unit_size: int, s
     own for the leftovers (:func:`leftover_modules`), whose gradients would otherwise wait in
     the root through the whole backward (an output head and embeddings are often the largest).
     """
-    if stage < 3 and _param_numel(root) <= unit_size:
+    if stage < 3 and one_unit_below_stage3(_param_numel(root), unit_size):
         return []
     blocks = find_blocks(root, wrap_modules)
     units = group_units(blocks, unit_size)
