@@ -98,6 +98,11 @@ AT_MIN_SCALE = ("raise", "skip", "warn")
 _DEFAULT_SAFE_MODULES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 
 
+#: The largest ``initial_scale_power`` whose scale (2**p) is a finite float32.
+MAX_SCALE_POWER = 127
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclass(frozen=True)
 class LossScalerConfig(FromDict, section="loss_scaler"):
     """DeepSpeed's fp16 loss-scaler parameters (same names, same semantics; see FACTS.md).
@@ -125,6 +130,19 @@ class LossScalerConfig(FromDict, section="loss_scaler"):
         owner = "loss_scaler"
         check_number(owner, "loss_scale", self.loss_scale, minimum=0)
         check_number(owner, "initial_scale_power", self.initial_scale_power, minimum=0, integral=True)
+        if self.initial_scale_power > MAX_SCALE_POWER:
+            # 2**128 is not a finite float32: the scaled loss would be inf on the first step, and
+            # Python's float overflows past 2**1023 (a bare OverflowError in every worker).
+            raise ValueError(
+                f"loss_scaler.initial_scale_power={self.initial_scale_power} makes a scale of 2**"
+                f"{self.initial_scale_power}, beyond float32's range: it must be <= {MAX_SCALE_POWER}"
+                " (DeepSpeed's default is 16; 32 is already far above what fp16 gradients need)."
+            )
+        if self.loss_scale > FLOAT32_MAX:
+            raise ValueError(
+                f"loss_scaler.loss_scale={self.loss_scale!r} is beyond float32's range (max {FLOAT32_MAX:.4g}):"
+                " use a static scale such as 2**16, or 0 for dynamic scaling."
+            )
         check_number(owner, "loss_scale_window", self.loss_scale_window, minimum=1, integral=True)
         check_number(owner, "hysteresis", self.hysteresis, minimum=1, integral=True)
         check_number(owner, "min_loss_scale", self.min_loss_scale, minimum=0)

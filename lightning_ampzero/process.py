@@ -53,9 +53,23 @@ def destroy_process_group() -> None:
 _HOLDER_MODULES = ("torch.distributed.", "lightning_ampzero.")
 
 
+def _instance_dict(obj: object) -> "dict | None":
+    """``obj.__dict__`` read past the object's own ``__getattribute__``, or None.
+
+    Some holders' classes override it: ``torch.distributed.reduce_op`` warns (FutureWarning,
+    deprecated) on every attribute access, which printed one warning per rank at the exit of every
+    user script when the hook's scan asked for its ``__dict__``.
+    """
+    try:
+        found = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def _held_by_us(obj: object) -> bool:
     module = vars(type(obj)).get("__module__")  # some extension types have none, or a descriptor
-    return isinstance(module, str) and module.startswith(_HOLDER_MODULES) and hasattr(obj, "__dict__")
+    return isinstance(module, str) and module.startswith(_HOLDER_MODULES) and _instance_dict(obj) is not None
 
 
 # How long the exit hook waits for the groups' threads to stop. They stop at once unless a
@@ -94,10 +108,10 @@ def release_process_groups(timeout_s: float = RELEASE_TIMEOUT_S) -> None:
             for name in ("reducer", "logger", "process_group"):  # the C++ reducer holds the group
                 obj.__dict__.pop(name, None)
         elif _held_by_us(obj):
-            held = [k for k, v in vars(obj).items() if isinstance(v, group_type)]
-            for name in held:
-                groups.append(vars(obj)[name])
-                vars(obj)[name] = None
+            attrs = _instance_dict(obj) or {}
+            for name in [k for k, v in attrs.items() if isinstance(v, group_type)]:
+                groups.append(attrs[name])
+                attrs[name] = None
     gc.collect()  # the fit's reference cycles (Trainer <-> strategy <-> module) hold groups too
     # The destructors run on a helper thread (they let go of the GIL): a group's destructor joins
     # its threads, which waits for a collective still in flight; past timeout_s the exit goes on

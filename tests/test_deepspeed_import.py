@@ -212,6 +212,8 @@ def test_unknown_keys_fail_with_path_and_suggestion(config, expected):
                                 "offload_param": {"device": "cpu", "pin_memory": False}}}, "one setting for both"),
         ({"activation_checkpointing": {"number_checkpoints": 0}},
          "activation_checkpointing.number_checkpoints must be >= 1"),
+        # was a bare OverflowError in the workers
+        ({"fp16": {"enabled": True, "initial_scale_power": 2000}}, "(from the DeepSpeed keys fp16.initial_scale_power)"),
     ],
 )
 def test_bad_values_fail_naming_the_allowed_ones(config, expected):

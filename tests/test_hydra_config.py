@@ -299,6 +299,8 @@ def test_composition_errors_name_the_key_and_suggest(override, expected):
         ("fp8.recipe=fast", ["fp8.recipe='fast'", "'tensorwise', 'delayed', 'rowwise'"]),
         ("activation_checkpointing.cpu_checkpointing=true", ["activation_checkpointing.cpu_checkpointing",
                                                               "mode='none'"]),
+        # was a bare OverflowError in every worker (2.0 ** 2000)
+        ("precision.loss_scaler.initial_scale_power=2000", ["initial_scale_power=2000", "<= 127"]),
     ],
 )
 def test_bad_values_name_the_allowed_ones(override, expected):

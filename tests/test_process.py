@@ -96,3 +96,19 @@ def test_release_does_not_wait_for_a_collective_stuck_on_a_missing_peer(tmp_path
     assert proc.returncode == 0, proc.stderr[-2000:]
     elapsed = float(proc.stdout.split("released in ")[1])
     assert 2.0 <= elapsed < 5.0, elapsed  # it waited its timeout for the stuck thread, and no longer
+
+
+def test_exit_scan_reads_holders_without_their_deprecation_warnings():
+    # The exit hook scans every object; torch.distributed.reduce_op warns (FutureWarning) on any
+    # attribute access, which printed one warning per rank at the end of every user script.
+    import warnings
+
+    import torch.distributed as dist
+
+    from lightning_ampzero.process import _held_by_us, _instance_dict
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _held_by_us(dist.reduce_op)
+        assert "SUM" in _instance_dict(dist.reduce_op)
+        assert _instance_dict(3) is None and not _held_by_us(3)
