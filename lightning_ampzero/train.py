@@ -432,6 +432,26 @@ def build_module(app: TrainAppConfig) -> Any:
     return TrainModule(model=app.model, lr=app.optim.lr, weight_decay=app.optim.weight_decay, betas=app.optim.betas)
 
 
+def progress_bar() -> Any:
+    """Lightning's RichProgressBar, whose title reads "Epoch 0", not "Epoch 0/-2", in a run bounded by steps.
+
+    With ``max_steps`` and no ``max_epochs`` Lightning's fit loop runs with ``max_epochs=-1``
+    (unbounded), and the bar prints ``max_epochs - 1`` as the last epoch. The bar itself already
+    counts the steps.
+    """
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    class StepsProgressBar(RichProgressBar):
+        def _get_train_description(self, current_epoch: int) -> str:
+            text = super()._get_train_description(current_epoch)
+            max_epochs = self.trainer.max_epochs
+            if max_epochs is not None and max_epochs < 0:
+                text = text.replace(f"Epoch {current_epoch}/{max_epochs - 1}", f"Epoch {current_epoch}", 1)
+            return text
+
+    return StepsProgressBar(leave=True)
+
+
 def _final_checkpoint(path: Path) -> Any:
     """A callback saving the resumable checkpoint (optimizer and loops too) at the end of training.
 
@@ -476,9 +496,7 @@ def train(app: TrainAppConfig, job_dir: Path) -> Optional[dict[str, Any]]:
     )
     callbacks: list[Any] = [summary_cb, memory]
     if app.trainer.enable_progress_bar:
-        from lightning.pytorch.callbacks import RichProgressBar
-
-        callbacks.append(RichProgressBar(leave=True))
+        callbacks.append(progress_bar())
     periodic = app.run.checkpoint and app.run.checkpoint_every_n_steps is not None
     ckpt_dir = job_dir / "checkpoints"
     final_ckpt = ckpt_dir / "last.ckpt" if app.run.checkpoint else None

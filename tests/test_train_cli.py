@@ -147,3 +147,18 @@ def test_default_run_trains_the_shipped_corpus_in_about_two_minutes(tmp_path):
     for text in ("ampzero-train summary", "train loss", "tokens/s", "memory per rank", "checkpoint"):
         assert text in proc.stdout
     assert elapsed < 300, f"the default run took {elapsed:.0f} s"
+
+
+def test_progress_bar_title_of_a_run_bounded_by_steps():
+    # Lightning's RichProgressBar printed "Epoch 0/-2" (max_epochs - 1, with max_epochs=-1).
+    import lightning.pytorch as pl
+
+    from lightning_ampzero.train import progress_bar
+
+    bar = progress_bar()
+    trainer = pl.Trainer(max_steps=20, accelerator="cpu", logger=False, enable_checkpointing=False)
+    trainer.fit_loop.max_epochs = -1  # what fit() sets for a run bounded by steps (_parse_loop_limits)
+    bar._trainer = trainer
+    assert bar._get_train_description(0).strip() == "Epoch 0"
+    bar._trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False)
+    assert bar._get_train_description(1).strip() == "Epoch 1/2"
