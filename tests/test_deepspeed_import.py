@@ -358,22 +358,57 @@ def test_auto_lr_comes_from_the_module():
     assert out["lr_scheduler"]["scheduler"].max_lrs == [0.0123]
 
 
-def test_a_module_with_its_own_optimizer_wins_with_a_warning():
+def _own_optimizer_module(with_scheduler: bool = False):
     import lightning.pytorch as pl
 
     class Own(pl.LightningModule):
         def __init__(self):
             super().__init__()
             self.layer = torch.nn.Linear(2, 2)
+            self.lrs: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            self.lrs.append(self.optimizers().param_groups[0]["lr"])
+            return self.layer(batch).sum()
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            if with_scheduler:
+                return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1)]
+            return opt
 
+    return Own()
+
+
+def test_a_module_with_its_own_optimizer_gets_the_config_scheduler_as_in_deepspeed():
+    # deepspeed.initialize(model, optimizer=client_opt, config=...) with a scheduler section: DeepSpeed
+    # keeps the client optimizer and steps the configured scheduler on it (the tutorial's pattern).
     r = _convert(CONFIGS / "zero1_fp16_warmupdecay.json")
-    module = Own()
+    module = _own_optimizer_module()
+    module.trainer = SimpleNamespace(estimated_stepping_batches=7)  # type: ignore[assignment]
     r.install_optimizers(module)
-    with pytest.warns(DeepSpeedConfigWarning, match="configures its own optimizer"):
-        assert isinstance(module.configure_optimizers(), torch.optim.SGD)
+    with pytest.warns(DeepSpeedConfigWarning, match="optimizer section is ignored"):
+        out = module.configure_optimizers()
+    assert isinstance(out["optimizer"], torch.optim.SGD)
+    sched = out["lr_scheduler"]["scheduler"]
+    assert isinstance(sched, WarmupDecayLR) and out["lr_scheduler"]["interval"] == "step"
+    assert sched.max_lrs == [0.002] and sched.total_num_steps == 100  # the section's values, not the client's lr
+
+
+def test_own_optimizer_with_config_scheduler_follows_deepspeeds_lr_sequence(tmp_path):
+    import lightning.pytorch as pl
+
+    r = _convert({"scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": 0.01, "warmup_max_lr": 0.5, "warmup_num_steps": 4, "total_num_steps": 10}}})
+    module = _own_optimizer_module(with_scheduler=True)
+    r.install_optimizers(module)
+    trainer = pl.Trainer(max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.warns(DeepSpeedConfigWarning, match="replaces the scheduler"):
+        trainer.fit(module, torch.utils.data.DataLoader(torch.randn(12, 2), batch_size=1))
+    expected = [0.01] + [0.01 + 0.49 * _deepspeed_gamma(k - 1, 4, 10, "log") for k in range(1, 12)]
+    assert module.lrs == pytest.approx(expected)
+    assert module.lrs[5] == pytest.approx(0.5) and module.lrs[11] == pytest.approx(0.01)  # decayed to min at 10
 
 
 def test_strategy_accepts_a_deepspeed_dict_and_path():

@@ -142,8 +142,9 @@ class WarmupDecayLR(_lr_scheduler_base()):  # type: ignore[misc]
         return [self.min_lr + (hi - self.min_lr) * g for hi in self.max_lrs]
 
 
-def build_scheduler(cfg: SchedulerConfig, optimizer: Any, *, lr: float, total_steps: Optional[int] = None) -> Any:
-    """The scheduler of ``cfg`` (or None), ``lr`` standing for ``warmup_max_lr=None``."""
+def build_scheduler(cfg: SchedulerConfig, optimizer: Any, *, lr: Union[float, list[float]],
+                    total_steps: Optional[int] = None) -> Any:
+    """The scheduler of ``cfg`` (or None), ``lr`` (one, or one per param group) standing for ``warmup_max_lr=None``."""
     if cfg.type is None:
         return None
     total = None

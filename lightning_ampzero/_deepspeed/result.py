@@ -32,7 +32,8 @@ class ImportedDeepSpeedConfig:
             ``config.precision.precision``.
         micro_batch_size, train_batch_size: DeepSpeed's batch sizes (the DataLoader's batch size
             is the micro-batch; checked against the world size in :meth:`apply_to_trainer`).
-        optimizer, scheduler: used when the LightningModule configures no optimizer.
+        optimizer, scheduler: used when the LightningModule configures no optimizer; the scheduler
+            also steps the module's own optimizer (:meth:`with_config_scheduler`).
         no_effect: ``(key path, reason)`` for every key that changes nothing here.
         notes: ``(key path, how it is read)`` for keys whose meaning here differs from DeepSpeed's
             (the ``activation_checkpointing`` section, ``offload_param.device="nvme"``, ``msamp``).
@@ -105,7 +106,8 @@ class ImportedDeepSpeedConfig:
 
         Its ``configure_optimizers`` is wrapped on the instance: when the class does not override
         it, or its result is None, the sections are built (DeepSpeed's behaviour); otherwise the
-        module's own optimizer wins, with a warning that the sections are ignored. Called by
+        module's own optimizer wins (the ``optimizer`` section is ignored, with a warning) and the
+        ``scheduler`` section steps it, as DeepSpeed does with a client optimizer. Called by
         ``AmpZeroStrategy.connect`` (Lightning rejects a module without configure_optimizers
         before the strategy's setup runs).
         """
@@ -121,14 +123,40 @@ class ImportedDeepSpeedConfig:
 
         def configure_optimizers(this: Any) -> Any:
             result = original() if overridden else None
-            if result is not None:
-                _warn("The LightningModule configures its own optimizer; the DeepSpeed config's optimizer/scheduler"
-                      " sections are ignored.")
-                return result
-            return imported.configure_optimizers(this, this.trainer)
+            if result is None:
+                return imported.configure_optimizers(this, this.trainer)
+            return imported.with_config_scheduler(result, this.trainer)
 
         configure_optimizers._ampzero_deepspeed = True  # type: ignore[attr-defined]
         module.configure_optimizers = types.MethodType(configure_optimizers, module)
+
+    def with_config_scheduler(self, result: Any, trainer: Any = None) -> Any:
+        """The module's own ``configure_optimizers`` result, with the ``scheduler`` section applied to its optimizer.
+
+        DeepSpeed's engine takes a client optimizer ("Using client Optimizer as basic optimizer") and
+        still builds the configured LR scheduler on it ("DeepSpeed using configured LR scheduler");
+        a configured scheduler also wins over a client scheduler. So: the module's optimizer is kept
+        (the ``optimizer`` section is ignored, with a warning), and the ``scheduler`` section, when
+        present, steps it after every optimizer step.
+        """
+        if self.optimizer is not None:
+            _warn("The LightningModule configures its own optimizer; the DeepSpeed config's optimizer section is"
+                  " ignored (as DeepSpeed ignores it for a client optimizer).")
+        if self.scheduler is None or self.scheduler.type is None:
+            return result
+        optimizer, own_scheduler = _single_optimizer(result)
+        if optimizer is None:
+            _warn("The LightningModule configures several optimizers; the DeepSpeed config's scheduler section"
+                  " (one scheduler for one optimizer) is ignored.")
+            return result
+        if own_scheduler is not None:
+            _warn("The DeepSpeed config's scheduler section replaces the scheduler the LightningModule configures"
+                  " (DeepSpeed uses the configured scheduler over a client one).")
+        total = getattr(trainer, "estimated_stepping_batches", None) if trainer is not None else None
+        # warmup_max_lr "auto": each group's own learning rate, as the client optimizer set it.
+        lrs = [float(group["lr"]) for group in optimizer.param_groups]
+        scheduler = build_scheduler(self.scheduler, optimizer, lr=lrs, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_optimizers(self, module: Any, trainer: Any = None) -> Any:
         """Build the ``optimizer`` and ``scheduler`` sections for ``module`` (Lightning's return format)."""
@@ -244,6 +272,23 @@ class ImportedDeepSpeedConfig:
         body: dict[str, Any] = {"defaults": [{f"override /{g}": v} for g, v in self.hydra_groups().items()]}
         body.update(self.hydra_values(world_size))
         return "\n".join(lines) + "\n" + OmegaConf.to_yaml(OmegaConf.create(body))
+
+
+def _single_optimizer(result: Any) -> tuple[Any, Any]:
+    """``(optimizer, its scheduler or None)`` from a ``configure_optimizers`` result with one optimizer, else ``(None, None)``."""
+    from torch.optim import Optimizer
+
+    if isinstance(result, Optimizer):
+        return result, None
+    if isinstance(result, Mapping) and isinstance(result.get("optimizer"), Optimizer):
+        return result["optimizer"], result.get("lr_scheduler")
+    if isinstance(result, (list, tuple)):
+        if len(result) == 1:
+            return _single_optimizer(result[0])
+        if len(result) == 2 and all(isinstance(r, (list, tuple)) for r in result) and len(result[0]) == 1:
+            optimizer, _ = _single_optimizer(result[0][0])
+            return optimizer, (result[1][0] if result[1] else None)
+    return None, None
 
 
 def _module_lr(module: Any) -> Optional[float]:
