@@ -550,3 +550,48 @@ def test_disabled_fp16_section_with_scaler_keys_is_accepted():
                                           "zero_optimization": {"stage": 1}})
     assert converted.config.zero.stage == 1
     assert converted.config.precision.loss_scaler.loss_scale_window == 1000  # fp16 off: DeepSpeed ignores it too
+
+
+# ---------------------------------------------------------------------------------------
+# Migration fidelity: every key is mapped or named; misplaced keys say where they belong
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_key_in_the_wrong_section_says_where_it_belongs():
+    # The Hugging Face guide's ZeRO-Infinity config nests `aio` inside zero_optimization.
+    with pytest.raises(DeepSpeedConfigError) as info:
+        convert_deepspeed_config({"zero_optimization": {"stage": 3, "aio": {"block_size": 1048576}}})
+    message = str(info.value)
+    assert "zero_optimization.aio (a DeepSpeed key that belongs at the top level of the config: move it there)" in message
+    assert "ignore them silently" not in message  # DeepSpeed rejects it too (DeepSpeed issue 2721)
+    with pytest.raises(DeepSpeedConfigError, match=r"stage \(a DeepSpeed key that belongs inside 'zero_optimization'"):
+        convert_deepspeed_config({"stage": 2})
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "reason"),
+    [
+        ({"stage": 2, "overlap_comm": False}, "zero_optimization.overlap_comm", "always overlaps"),
+        ({"stage": 3, "stage3_max_live_parameters": 0}, "zero_optimization.stage3_max_live_parameters", "units in flight"),
+        ({"stage": 2, "stage3_prefetch_bucket_size": 1e6}, "zero_optimization.stage3_prefetch_bucket_size",
+         "a stage-3 setting, and the stage is 2"),
+        ({"stage": 1, "stage3_param_persistence_threshold": 1e4}, "zero_optimization.stage3_param_persistence_threshold",
+         "a stage-3 setting, and the stage is 1"),
+    ],
+)
+def test_falsy_and_stage3_only_keys_are_named_with_their_reason(section, key, reason):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = convert_deepspeed_config({"zero_optimization": section})
+    assert reason in dict(result.no_effect)[key]
+    assert any(key in str(w.message) for w in caught if issubclass(w.category, DeepSpeedConfigWarning))
+
+
+def test_cli_checks_the_batch_sizes_against_the_world_size(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 17, "train_micro_batch_size_per_gpu": 8}))
+    assert config_main(["from-deepspeed", str(path), "--world-size", "2"]) != 0
+    assert "train_batch_size=17 must equal train_micro_batch_size_per_gpu (8) x gradient accumulation (1) x world" \
+           " size (2) = 16" in capsys.readouterr().err
+    path.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8}))
+    assert config_main(["from-deepspeed", str(path), "--world-size", "2"]) == 0

@@ -22,7 +22,7 @@ from lightning_ampzero._deepspeed.features import convert_features
 from lightning_ampzero._deepspeed.optim import OptimizerConfig, SchedulerConfig, convert_optimizer, convert_scheduler
 from lightning_ampzero._deepspeed.precision import convert_precision
 from lightning_ampzero._deepspeed.result import ImportedDeepSpeedConfig
-from lightning_ampzero._deepspeed.zero import convert_zero
+from lightning_ampzero._deepspeed.zero import _ZERO, convert_zero
 from lightning_ampzero._schema import config_from_dict
 from lightning_ampzero.config import AmpZeroConfig
 
@@ -117,8 +117,15 @@ class _Converter:
         prefix = f"{path}." if path else ""
         for key in data:
             if key not in known:
-                close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                home = _home_of(key)
+                if home is not None and home != path:
+                    # A known key in the wrong section (the Hugging Face guide's `aio` inside
+                    # zero_optimization): say where it belongs rather than guess a spelling.
+                    where = "at the top level of the config" if not home else f"inside {home!r}"
+                    hint = f" (a DeepSpeed key that belongs {where}: move it there)"
+                else:
+                    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
                 self.unknown.append(f"{prefix}{key}{hint}")
 
     def walk(self, data: Mapping[str, Any], table: Mapping[str, Any], path: str) -> None:
@@ -130,7 +137,9 @@ class _Converter:
             if rule is None or rule == _HANDLED:
                 continue
             if isinstance(rule, _NoEffect):
-                if value not in (None, False, {}) and not _is_auto(value):
+                # Every key given is named, whatever its value: `overlap_comm: false` and
+                # `stage3_max_live_parameters: 0` ask for something too (0 == False in Python).
+                if value is not None and not _is_auto(value):
                     self.no_effect.append((prefix + key, rule.reason))
                 continue
             self.set(rule, value, prefix + key)
@@ -172,7 +181,7 @@ class _Converter:
         if self.unknown:
             raise DeepSpeedConfigError(
                 f"Unknown DeepSpeed config keys in {self.source}: " + "; ".join(self.unknown)
-                + ". DeepSpeed would ignore them silently; fix or remove them."
+                + ". Fix or remove them (a misspelt key would change nothing, so it is an error here)."
             )
         nested: dict[str, Any] = {}
         trainer: dict[str, Any] = {}
@@ -227,6 +236,12 @@ class _Converter:
             else:
                 out["accumulate_grad_batches"] = value
         return out
+
+
+def _home_of(key: str) -> Optional[str]:
+    """The section a DeepSpeed key belongs in ("" = the top level), if it is a known key of exactly one."""
+    homes = [path for path, table in (("", _TOP), ("zero_optimization", _ZERO)) if key in table]
+    return homes[0] if len(homes) == 1 else None
 
 
 def _keys_for(values: Mapping[str, tuple[Any, str]], error: Exception) -> str:

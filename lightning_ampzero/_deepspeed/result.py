@@ -180,10 +180,23 @@ class ImportedDeepSpeedConfig:
 
     # ---- Hydra ---------------------------------------------------------------------------
     def micro_batch(self, world_size: Optional[int]) -> Optional[int]:
-        """The per-process batch size: given, or derived from train_batch_size and ``world_size``."""
-        if self.micro_batch_size is not None or self.train_batch_size is None or world_size is None:
+        """The per-process batch size: given, or derived from train_batch_size and ``world_size``.
+
+        With both sizes and ``world_size`` known, they must agree (DeepSpeed's check, which
+        :meth:`apply_to_trainer` makes again at fit time with the Trainer's world size).
+        """
+        if self.train_batch_size is None or world_size is None:
             return self.micro_batch_size
-        per_step = int(self.trainer.get("accumulate_grad_batches", 1)) * world_size
+        accumulate = int(self.trainer.get("accumulate_grad_batches", 1))
+        per_step = accumulate * world_size
+        if self.micro_batch_size is not None:
+            if self.micro_batch_size * per_step != self.train_batch_size:
+                raise DeepSpeedConfigError(
+                    f"DeepSpeed config {self.source}: train_batch_size={self.train_batch_size} must equal"
+                    f" train_micro_batch_size_per_gpu ({self.micro_batch_size}) x gradient accumulation"
+                    f" ({accumulate}) x world size ({world_size}) = {self.micro_batch_size * per_step}."
+                )
+            return self.micro_batch_size
         if self.train_batch_size % per_step:
             raise DeepSpeedConfigError(
                 f"DeepSpeed config {self.source}: train_batch_size={self.train_batch_size} is not divisible by"

@@ -65,8 +65,18 @@ _ZERO: dict[str, Any] = {
 }
 
 
+# Mapped keys that act only at stage 3 (the ``zero.*`` fields they set are read only there).
+_STAGE3_ONLY = ("stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_param_persistence_threshold",
+                "param_persistence_threshold", "zero_hpz_partition_size")
+
+
 def convert_zero(conv: Any, z: dict[str, Any]) -> None:
     if not z:
         return
     conv.walk(z, _ZERO, "zero_optimization")
+    stage = z.get("stage", 0)
+    if isinstance(stage, int) and stage < 3:
+        for key in _STAGE3_ONLY:
+            if key in z and z[key] is not None:
+                conv.no_effect.append((f"zero_optimization.{key}", f"a stage-3 setting, and the stage is {stage}"))
     features.convert_offload(conv, z)
