@@ -120,7 +120,12 @@ class TrainerConfig(FromDict, section="trainer"):
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if isinstance(out["devices"], tuple):
             out["devices"] = list(out["devices"])
-        return {k: v for k, v in out.items() if v is not None}
+        out = {k: v for k, v in out.items() if v is not None}
+        if isinstance(self.val_check_interval, int) and not isinstance(self.val_check_interval, bool):
+            # "Validate every N steps" across epoch boundaries: without this Lightning counts N
+            # within an epoch and refuses a corpus with fewer than N batches per epoch.
+            out["check_val_every_n_epoch"] = None
+        return out
 
 
 @dataclass(frozen=True)

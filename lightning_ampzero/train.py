@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -72,8 +73,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
             raise SystemExit(f"usage: python -m lightning_ampzero.train {WORKER_FLAG} <job.json>")
         return worker_main(Path(args[1]))
     register_configs()
+    args = quote_values_with_equals(args)
     try:
-        preflight(args)
+        check_machine(preflight(args))
     except ConfigError as e:
         print(f"ampzero-train: error: {e}\nNothing was started.", file=sys.stderr)
         raise SystemExit(2) from None
@@ -124,6 +126,60 @@ def preflight(args: Sequence[str], *, max_jobs: int = 256) -> list[TrainAppConfi
         configs.append(compose_typed(job, config_dir=ns.config_dir, config_name=ns.config_name or CONFIG_NAME,
                                      config_path=ns.config_path))
     return configs
+
+
+_OVERRIDE = re.compile(r"^(~?\+{0,2}[\w.@/-]+)=(.*)$", re.S)
+
+
+def quote_values_with_equals(args: Sequence[str]) -> list[str]:
+    """Quote override values that contain ``=``, such as the checkpoints Lightning names ``epoch=0-step=20.ckpt``.
+
+    Hydra's override grammar has no unquoted value with ``=`` in it (``mismatched input '='``), so
+    quoting is the only reading such an override can have; values that already hold a quote, an
+    interpolation or a sweep are left to Hydra.
+    """
+    out = []
+    for arg in args:
+        match = _OVERRIDE.match(arg) if not arg.startswith("-") else None
+        if match and "=" in match.group(2) and not re.search(r"['\"$,\[\]{}()]", match.group(2)):
+            arg = f"{match.group(1)}='{match.group(2)}'"
+        out.append(arg)
+    return out
+
+
+def check_machine(apps: Sequence[TrainAppConfig]) -> None:
+    """What a job needs from this machine, checked before any process starts (raises :class:`ConfigError`).
+
+    A missing data file, a missing checkpoint or a GPU request on a machine without CUDA would
+    otherwise fail in every worker, the cause buried under one traceback per rank.
+    """
+    for app in apps:
+        data_path = app.data.path
+        if data_path is not None and not Path(data_path).expanduser().is_file():
+            raise ConfigError(
+                f"data.path={data_path!r}: no such file{_abs_note(data_path)}. Give a readable file"
+                " (data=text_file data.path=/path/to/corpus.txt), or use the shipped corpus (data=shakespeare)."
+            )
+        ckpt = app.run.ckpt_path
+        if ckpt is not None and not Path(ckpt).expanduser().exists():
+            raise ConfigError(
+                f"run.ckpt_path={ckpt!r}: no such checkpoint{_abs_note(ckpt)}. Give a checkpoint directory written"
+                " by a previous run (its job directory's checkpoints/), or leave run.ckpt_path unset."
+            )
+        if app.trainer.accelerator in ("gpu", "cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+                raise ConfigError(
+                    f"trainer.accelerator={app.trainer.accelerator!r}, but this machine has no usable CUDA device"
+                    f" (torch {torch.__version__}, {built}). Use trainer=cpu, or run on a machine with a GPU."
+                )
+
+
+def _abs_note(path: str) -> str:
+    full = Path(path).expanduser().resolve()
+    return f" (resolved to {str(full)!r} from {str(Path.cwd())!r})" if str(full) != path else ""
 
 
 def _expand_sweep(overrides: list[str]) -> list[list[str]]:

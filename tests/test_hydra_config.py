@@ -373,3 +373,50 @@ def test_cli_typo_fails_before_anything_starts(tmp_path):
     assert list(tmp_path.iterdir()) == [], "no outputs/ or multirun/ directory may be created"
     assert "Initializing distributed" not in proc.stdout + proc.stderr
     assert elapsed < 120, f"the typo took {elapsed:.0f} s to report"
+
+
+# ---------------------------------------------------------------------------------------
+# Pre-flight: what the job needs from this machine fails before any process starts
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["data=text_file", "data.path=no/such/corpus.txt"], ["data.path='no/such/corpus.txt': no such file",
+                                                               "data=shakespeare"]),
+        (["run.ckpt_path=/no/such/epoch=0-step=20.ckpt"], ["run.ckpt_path='/no/such/epoch=0-step=20.ckpt': no such"
+                                                           " checkpoint"]),
+        pytest.param(["trainer=gpu"], ["trainer.accelerator='gpu'", "no usable CUDA device", "trainer=cpu"],
+                     marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="has CUDA")),
+    ],
+)
+def test_machine_checks_fail_before_any_process_starts(overrides, expected, capsys):
+    from lightning_ampzero.train import main
+
+    with pytest.raises(SystemExit) as info:
+        main(overrides)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    for part in expected:
+        assert part in err, err
+    assert "Nothing was started." in err
+
+
+def test_override_values_with_equals_are_quoted_for_hydra():
+    # Lightning names checkpoints epoch=0-step=20.ckpt; Hydra's grammar rejects '=' in an unquoted value.
+    from lightning_ampzero.train import quote_values_with_equals
+
+    assert quote_values_with_equals(["run.ckpt_path=/x/epoch=0-step=20.ckpt", "strategy=zero3", "-m"]) == [
+        "run.ckpt_path='/x/epoch=0-step=20.ckpt'", "strategy=zero3", "-m"]
+    kept = ["a=b,c=d", "x=${y}", "p='q=r'", "--config-dir=/x=y"]
+    assert quote_values_with_equals(kept) == kept
+    app = compose_typed(quote_values_with_equals(["run.ckpt_path=/x/epoch=0-step=20.ckpt"]))
+    assert app.run.ckpt_path == "/x/epoch=0-step=20.ckpt"
+
+
+def test_step_interval_validation_runs_across_epochs():
+    # A corpus with fewer batches per epoch than val_check_interval made Lightning refuse the run.
+    kwargs = compose_typed(["trainer.val_check_interval=100"]).trainer.kwargs()
+    assert kwargs["val_check_interval"] == 100 and kwargs["check_val_every_n_epoch"] is None
+    assert "check_val_every_n_epoch" not in compose_typed(["trainer.val_check_interval=0.5"]).trainer.kwargs()
