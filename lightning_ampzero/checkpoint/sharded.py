@@ -11,8 +11,10 @@ names, so a checkpoint loads into any world size and any stage (resharding on lo
 
 [Note: atomic saves] A save goes to ``<path>.incomplete`` and is renamed to ``<path>`` only
 after every rank has written its shards and rank 0 its metadata. A save killed part-way
-(process killed, disk full) therefore never touches the previous checkpoint at ``<path>`` and
-leaves a directory whose name says it is incomplete; loading it is refused with that reason.
+(a process killed) therefore never touches the previous checkpoint at ``<path>`` and leaves a
+directory whose name says it is incomplete; loading it is refused with that reason. A save that
+fails while the processes live (a full disk) removes its partial directory and says so on every
+rank ([Note: a save that cannot complete]).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 from torch.optim import Optimizer
+
+from lightning_ampzero.estimate import format_bytes
 
 METADATA_FILE = "meta.pt"
 INCOMPLETE_SUFFIX = ".incomplete"
@@ -43,6 +47,10 @@ def is_sharded_checkpoint(path: Path) -> bool:
     )
 
 
+class CheckpointSaveError(OSError):
+    """A save that could not complete; the previous checkpoint at the same path is untouched."""
+
+
 def save_sharded(
     path: Path,
     state: Mapping[str, Any],
@@ -51,20 +59,133 @@ def save_sharded(
     is_global_zero: bool,
     barrier: Callable[[], None] = lambda: None,
 ) -> None:
-    """Write ``state`` (``state_dict`` and ``optimizer_<i>`` entries from get_*_state_dict) and ``metadata`` atomically."""
+    """Write ``state`` (``state_dict`` and ``optimizer_<i>`` entries from get_*_state_dict) and ``metadata`` atomically.
+
+    [Note: a save that cannot complete] Before anything is written, every rank checks that its
+    filesystem has room for the whole checkpoint (all ranks' shards plus the replicated tensors;
+    conservative where ranks write to node-local disks). A save that fails anyway (the disk fills
+    up, a write error on any rank) is a collective decision: every rank raises
+    :class:`CheckpointSaveError` naming the path and the space needed and free, the partial
+    ``.incomplete`` directory is removed, and the previous checkpoint at ``path`` is kept.
+    """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     staging = incomplete_path(path)
+    need = _checkpoint_bytes(state) + _METADATA_ALLOWANCE
+    free = _free_bytes(staging)
+    if _any_rank(free < need):
+        raise CheckpointSaveError(
+            f"Not enough disk space to save the checkpoint {path}: it needs about {format_bytes(need)} and"
+            f" {format_bytes(free)} is free on this rank's filesystem (a rank's may be less). Nothing was written"
+            f"{_kept(path)}. Free some space, or save elsewhere / less often (ModelCheckpoint(dirpath=...,"
+            " every_n_train_steps=...), save_top_k)."
+        )
+    failure: BaseException | None = None
+    try:
+        if is_global_zero:
+            if staging.exists():
+                shutil.rmtree(staging)  # left by an earlier interrupted save of the same name
+            staging.mkdir(parents=True)
+        barrier()
+        dcp.save(dict(state), checkpoint_id=staging)  # collective: returns once .metadata is written
+        if is_global_zero:
+            torch.save(metadata, staging / METADATA_FILE)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must hear of it before anyone moves on
+        failure = e  # (DCP raises CheckpointException, a BaseException, for a write that failed on any rank)
+    if _any_rank(failure is not None):
+        # Measured before the cleanup frees it again. torch's writer reports a full disk as
+        # "unexpected pos ..." rather than ENOSPC, so a failed write with less room left than the
+        # checkpoint needs is read as the full disk it almost surely is.
+        free_at_failure = _free_bytes(staging)
+        if is_global_zero and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+        barrier()
+        cause = f"{type(failure).__name__}: {failure}" if failure is not None else "another rank failed to write"
+        if failure is not None and (_no_space(failure) or free_at_failure < need):
+            cause = (f"no space left on the device ({format_bytes(free_at_failure)} was free when it failed;"
+                     f" the checkpoint needs about {format_bytes(need)}; the writer said: {_first_line(failure)})")
+        raise CheckpointSaveError(
+            f"Saving the checkpoint {path} failed: {cause}. The partial save was removed{_kept(path)}."
+        ) from failure
     if is_global_zero:
-        if staging.exists():
-            shutil.rmtree(staging)  # left by an earlier interrupted save of the same name
-        staging.mkdir(parents=True)
-    barrier()
-    dcp.save(dict(state), checkpoint_id=staging)  # collective: returns once .metadata is written
-    if is_global_zero:
-        torch.save(metadata, staging / METADATA_FILE)
         _replace_dir(staging, path)
     barrier()
+
+
+# meta.pt holds loop and callback states and hyper-parameters: small, but not nothing.
+_METADATA_ALLOWANCE = 1 << 20
+
+
+def _checkpoint_bytes(state: Any) -> int:
+    """Bytes the whole checkpoint writes: every rank's shards (summed over ranks) plus replicated tensors once."""
+    sharded, replicated = 0, 0
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, torch.Tensor):
+            local = getattr(item, "_local_tensor", None)
+            if local is not None:
+                sharded += local.numel() * local.element_size()
+            else:
+                replicated += item.numel() * item.element_size()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        total = torch.tensor([sharded], dtype=torch.float64)
+        dist.all_reduce(total)
+        sharded = int(total.item())
+    return sharded + replicated
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (every rank must call it; no process group: this rank's)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def _free_bytes(path: Path) -> int:
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
+
+
+def _no_space(error: BaseException) -> bool:
+    import errno
+
+    seen: list[BaseException] = []
+    todo: list[Any] = [error]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or e in seen:
+            continue
+        seen.append(e)
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        todo.extend([e.__cause__, e.__context__])
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+        if isinstance(failures, Mapping):
+            todo.extend(v[0] if isinstance(v, tuple) else v for v in failures.values())
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def _kept(path: Path) -> str:
+    return f"; the previous checkpoint {path} is kept" if is_sharded_checkpoint(path) else ""
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -1,0 +1,98 @@
+"""A checkpoint save that cannot complete (a full disk) says so on every rank, keeps the last good
+checkpoint and leaves no half-written one behind ([Note: a save that cannot complete])."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _spawn import spawn  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _state(mib: int, value: float) -> dict:
+    return {"state_dict": {"w": torch.full((mib * MiB // 4,), value)}}
+
+
+def _save(path: Path, state: dict) -> str:
+    import torch.distributed as dist
+
+    from lightning_ampzero.checkpoint.sharded import CheckpointSaveError, save_sharded
+
+    try:
+        save_sharded(path, state, {"step": 1}, is_global_zero=dist.get_rank() == 0, barrier=dist.barrier)
+    except CheckpointSaveError as e:
+        return str(e)
+    return "saved"
+
+
+def _check_previous(path: Path) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_ampzero.checkpoint.sharded import incomplete_path, is_sharded_checkpoint
+
+    assert is_sharded_checkpoint(path) and not incomplete_path(path).exists()
+    loaded = {"state_dict": {"w": torch.zeros(MiB // 4)}}
+    dcp.load(loaded, checkpoint_id=path)
+    return float(loaded["state_dict"]["w"][0])
+
+
+def _refused_before_writing(rank: int, world: int, root: str) -> tuple[str, str, float]:
+    from lightning_ampzero.checkpoint import sharded
+
+    path = Path(root) / "last.ckpt"
+    first = _save(path, _state(1, 1.0))
+    if rank == 1:  # one rank's filesystem is short of space: every rank must refuse together
+        sharded._free_bytes = lambda p: 3 * MiB
+    second = _save(path, _state(4, 2.0))
+    return first, second, _check_previous(path)
+
+
+def test_a_save_without_room_is_refused_on_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+    results = spawn(_refused_before_writing, world_size=2, args=(str(tmp_path),), timeout=180)
+    for first, second, kept in results:
+        assert first == "saved"
+        assert "Not enough disk space to save the checkpoint" in second and str(tmp_path / "last.ckpt") in second
+        assert "it needs about 5.0 MiB" in second and "Nothing was written; the previous checkpoint" in second
+        assert kept == 1.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def _disk_fills_during_the_save(rank: int, world: int, root: str) -> tuple[str, str, float]:
+    from lightning_ampzero.checkpoint import sharded
+
+    path = Path(root) / "last.ckpt"
+    first = _save(path, _state(1, 1.0))
+    sharded._checkpoint_bytes = lambda state: 0  # the check passes: the disk fills up while writing
+    second = _save(path, _state(12, 2.0))
+    return first, second, _check_previous(path)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 MiB filesystem (a tmpfs): writing past it fails with ENOSPC."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_disk_that_fills_during_the_save_fails_cleanly_on_every_rank(small_disk):
+    results = spawn(_disk_fills_during_the_save, world_size=2, args=(str(small_disk),), timeout=180)
+    for first, second, kept in results:
+        assert first == "saved"
+        assert f"Saving the checkpoint {small_disk / 'last.ckpt'} failed: no space left on the device" in second
+        assert "The partial save was removed; the previous checkpoint" in second
+        assert kept == 1.0
+    assert sorted(p.name for p in small_disk.iterdir()) == ["last.ckpt"]
