@@ -5,6 +5,7 @@ small GPT to within 2% of fp32) and 4 (resume restores the scaler exactly)."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from types import SimpleNamespace
 
@@ -511,3 +512,17 @@ def test_acceptance4_resume_restores_the_scaler_exactly(resumed):
     assert max_rel_diff([row["loss"] for row in again], [row["loss"] for row in full[6:]]) < 1e-6
     assert r["resumed_state_end"] == r["full_state_end"]
     assert r["resumed_scheduler"] == r["full_scheduler"] == 12 - 3
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("16-mixed", "torch.float16"), ("bf16-mixed", "torch.bfloat16")])
+def test_ampzero_train_computes_its_matmuls_in_the_low_dtype_on_cpu(tmp_path, precision, dtype):
+    # Lightning rewrites "16-mixed" to "bf16-mixed" on CPU; ampzero-train must compute in fp16 (its
+    # losses being close to fp32's says nothing about that): checked on the kernels' input dtypes.
+    from _scripts import run_script
+
+    out = tmp_path / "dtypes.json"
+    run_script("matmul_dtypes.py", str(out), str(tmp_path / "job"), f"precision={precision}",
+               "trainer.max_steps=2", "model=gpt_tiny", timeout=300)
+    seen = json.loads(out.read_text())
+    assert sum(seen.values()) > 0, seen
+    assert all(key.endswith(f":{dtype}") for key in seen), seen  # every product, forward and backward
