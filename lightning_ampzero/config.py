@@ -44,6 +44,10 @@ class ZeroConfig(FromDict, section="zero"):
             Empty = automatic: the repeated blocks (classes occurring at least twice inside a
             ModuleList/Sequential), e.g. transformer blocks.
         timeout_s: process-group timeout in seconds.
+        watchdog_s: seconds a rank may go without progress before the hang detector ends the run on
+            every live rank, naming the ranks that are missing and where ([Note: hang detection] in
+            lightning_ampzero/watchdog.py); 0 turns it off; ``None`` = 300, or half of ``timeout_s``
+            when that is shorter. Must be below ``timeout_s``.
         process_group_backend: ``None`` picks ``nccl`` on CUDA and ``gloo`` on CPU.
     """
 
@@ -55,6 +59,7 @@ class ZeroConfig(FromDict, section="zero"):
     hpz_partition_size: int = 1
     wrap_modules: tuple[str, ...] = ()
     timeout_s: float = 1800.0
+    watchdog_s: Optional[float] = None
     process_group_backend: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -78,6 +83,14 @@ class ZeroConfig(FromDict, section="zero"):
                 " hpz_partition_size=1."
             )
         check_number(owner, "timeout_s", self.timeout_s, minimum=1)
+        if self.watchdog_s is not None:
+            check_number(owner, "watchdog_s", self.watchdog_s, minimum=0)
+        if self.watchdog_s is not None and self.watchdog_s >= self.timeout_s:
+            raise ValueError(
+                f"zero.watchdog_s={self.watchdog_s!r} must be below zero.timeout_s={self.timeout_s!r}: past the"
+                " process-group timeout the collectives fail on their own, without naming the missing rank."
+                " Lower watchdog_s (0 turns the hang detector off) or raise timeout_s."
+            )
         if self.process_group_backend is not None:
             check_choice(owner, "process_group_backend", self.process_group_backend, ("nccl", "gloo", "mpi"))
         # Hydra hands lists; keep the frozen config hashable.
@@ -85,6 +98,11 @@ class ZeroConfig(FromDict, section="zero"):
         for name in self.wrap_modules:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"zero.wrap_modules must hold class names, got {name!r}.")
+
+    @property
+    def watchdog_seconds(self) -> float:
+        """The hang detector's time (0: off); see ``watchdog_s``."""
+        return min(300.0, self.timeout_s / 2) if self.watchdog_s is None else float(self.watchdog_s)
 
     @property
     def unit_size(self) -> int:

@@ -1,0 +1,309 @@
+"""The hang detector: a run whose ranks stop making progress ends within seconds, naming who is missing.
+
+[Note: hang detection]
+A rank that stops (SIGSTOP, a deadlock, a stuck data loader, a swapped-out host) leaves its peers
+blocked in their next collective until the process-group timeout (30 minutes by default), after
+which gloo says "Application timeout caused pair closure" on the healthy ranks and nothing on the
+culprit. A killed rank is seen within seconds ("Connection reset by peer"), but the message names a
+host:port, not a rank.
+
+Every rank runs a :class:`Watchdog` thread. The training loop only records where it is (step and
+phase, :meth:`Watchdog.mark`: a few attribute writes, no I/O); the thread publishes that position
+and a beat counter to the process group's key-value store once a second. A gloo or NCCL
+collective releases the GIL while it waits, so the thread keeps beating while its rank is blocked
+in a collective; a stopped process beats no more. When a rank's own position has not moved for
+``watchdog_s`` seconds, its thread reads every rank's record twice, a few beats apart, and
+decides:
+
+* ranks whose beat did not move are not responding (stopped, killed, hung outside Python);
+* among the ranks that respond, those at an earlier position than the others are the ones that
+  did not arrive where the others wait (stuck before the collective the others are blocked in);
+* if every rank is at the same position and responding, they are all blocked in the same place
+  (a collective that never completes): that is said too.
+
+It then prints one message (the step, each rank's phase and the collective that phase waits in,
+and the missing ranks) and ends its own process with exit status :data:`HANG_EXIT_CODE`. Every
+live rank does the same, as each sees its own progress stop, so the run ends on every rank within
+``watchdog_s`` plus a few seconds; the rank that is behind but alive reports itself. Keep
+``watchdog_s`` above the longest phase a rank can spend alone (a checkpoint save, a validation
+epoch: the loop marks each batch), and below the process-group timeout (``ZeroConfig`` checks).
+
+The process group's own timeout stays as the last resort: it is what ends a collective stuck in a
+process whose watchdog is itself stuck.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+#: Exit status of a process ended by the watchdog.
+HANG_EXIT_CODE = 75
+
+_PREFIX = "ampzero/watchdog/"
+_EXITED = "exited:"
+
+#: What each phase waits in when it blocks (for the message).
+WAITS_IN = {
+    "setup": "the setup collectives (process group, sharding, broadcast)",
+    "training_step": "forward: the parameter all-gathers (stage 3) or the SIGTERM check",
+    "backward": "backward: the gradient reduce-scatter / all-reduce",
+    "optimizer_step": "the optimizer step: the overflow and gradient-norm all-reduces",
+    "validation_step": "validation: the parameter all-gathers (stage 3) and metric syncs",
+    "checkpoint": "a checkpoint save (torch.distributed.checkpoint's collectives)",
+    "between_steps": "the next step's first collective (data loading, logging sync, callbacks)",
+    "barrier": "a barrier",
+}
+_ORDER = {"setup": 0, "training_step": 1, "backward": 2, "optimizer_step": 3, "between_steps": 4,
+          "validation_step": 5, "checkpoint": 6, "barrier": 7}
+
+
+@dataclass(frozen=True)
+class Record:
+    """What a rank last published: its beat counter, where its loop was, and the collective its
+    main thread was blocked in ("" when none)."""
+
+    beat: int
+    step: int
+    phase: str
+    waiting: str = ""
+
+    @property
+    def exited(self) -> bool:
+        """Whether the rank has already ended on its own watchdog (it is not a culprit)."""
+        return self.phase.startswith(_EXITED)
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.step, _ORDER.get(self.phase, 0)
+
+    def encode(self) -> str:
+        return f"{self.beat}|{self.step}|{self.phase}|{self.waiting}"
+
+    @classmethod
+    def decode(cls, text: str) -> "Record":
+        beat, step, phase, waiting = text.split("|", 3)
+        return cls(int(beat), int(step), phase, waiting)
+
+    def describe(self) -> str:
+        where = f"step {self.step}, {self.phase.removeprefix(_EXITED)}"
+        return f"{where}, blocked in {self.waiting}" if self.waiting else f"{where}, in no collective"
+
+
+def diagnose(rank: int, before: dict[int, Record], after: dict[int, Record]) -> str:
+    """The message for a hang seen by ``rank``: two reads of every rank's record, a few beats apart."""
+    silent = sorted(r for r in after if after[r].beat == before[r].beat and not after[r].exited)
+    live = {r: rec for r, rec in after.items() if r not in silent and not rec.exited}
+    blocked = {r: rec for r, rec in live.items() if rec.waiting}
+    # Responding ranks that are in no collective while others wait in one did not arrive; with
+    # no collective seen anywhere, the ranks behind the others' loop position did not.
+    if blocked:
+        behind = sorted(r for r in live if r not in blocked)
+    else:
+        ahead = max((rec.position for rec in live.values()), default=None)
+        behind = sorted(r for r, rec in live.items() if rec.position < ahead)  # type: ignore[operator]
+    mine = after[rank]
+    lines = [f"ampzero watchdog (rank {rank}): no progress for the watchdog time; this rank is in {mine.describe()}."]
+    if silent:
+        lines.append(f"Rank(s) {_ranks(silent)} not responding (stopped, killed, or hung outside Python): "
+                     + "; ".join(f"rank {r} last seen in {after[r].describe()}" for r in silent) + ".")
+    if behind:
+        waits = sorted({rec.waiting for rec in blocked.values()})
+        where = f"wait in {', '.join(waits)}" if waits else "are further on"
+        lines.append(f"Rank(s) {_ranks(behind)} did not arrive where the others {where}: "
+                     + "; ".join(f"rank {r} is in {live[r].describe()}" for r in behind) + ".")
+        if rank in behind:
+            lines.append(f"This rank ({rank}) is one of them: look at what it does in step {mine.step}, {mine.phase}.")
+    if not silent and not behind:
+        calls = sorted({rec.waiting for rec in live.values()})
+        if len(calls) > 1:
+            lines.append("Every rank responds, but they are blocked in different collectives: "
+                         + "; ".join(f"rank {r} in {rec.waiting}" for r, rec in sorted(live.items()))
+                         + " (ranks that called different collectives never match).")
+        else:
+            lines.append(f"Every rank responds and is in {mine.describe()}: a collective that every rank entered is"
+                         " not completing (the network, or a peer process outside this run).")
+    lines.append("Ending this process; every live rank does the same. Raise ZeroConfig.watchdog_s if a phase"
+                 " legitimately takes longer, or 0 to turn the watchdog off.")
+    return "\n".join(lines)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+_C10D_FILES = ("distributed_c10d.py",)
+
+
+def blocked_in(thread_id: int) -> str:
+    """The torch.distributed collective thread ``thread_id`` is in right now, or "" (from its Python stack).
+
+    A collective blocks in C++ with the GIL released; its Python caller (``all_reduce``,
+    ``reduce_scatter_tensor``, ``all_gather_into_tensor``, ``barrier`` ...) stays on the stack,
+    including when FSDP2 or DDP call it from an autograd hook during backward.
+    """
+    frame = sys._current_frames().get(thread_id)
+    found = ""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith(_C10D_FILES) and not code.co_name.startswith("_"):
+            found = code.co_name  # the outermost public c10d function: the collective called
+        frame = frame.f_back
+    return found
+
+
+def _exit_on_hang(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(HANG_EXIT_CODE)  # the main thread is blocked inside a collective: nothing else can end it
+
+
+class Watchdog:
+    """One rank's hang detector (see [Note: hang detection]).
+
+    Args:
+        store: the process group's key-value store (``set``/``get``/``check``), shared by all ranks.
+        rank, world_size: this rank and how many there are.
+        timeout_s: seconds without progress of this rank's own loop before it diagnoses a hang.
+        poll_s: the publishing interval.
+        on_hang: called with the message (default: print it and end the process).
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float, *, poll_s: float = 1.0,
+                 on_hang: Callable[[str], None] = _exit_on_hang, prefix: str = _PREFIX) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout_s, self.poll_s, self.on_hang, self.prefix = timeout_s, poll_s, on_hang, prefix
+        self.step, self.phase = 0, "setup"
+        self._moved = time.monotonic()
+        self._main = threading.get_ident()  # the thread that runs the loop (the one that builds us)
+        self._beat = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def mark(self, step: int, phase: str) -> None:
+        """The loop reached ``phase`` of ``step`` (main thread; no I/O)."""
+        self.step, self.phase = step, phase
+        self._moved = time.monotonic()
+
+    def start(self) -> "Watchdog":
+        self._publish()  # every rank's key exists before anyone reads it
+        self._thread = threading.Thread(target=self._run, name="ampzero-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.poll_s)
+            self._thread = None
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}{rank}"
+
+    def _publish(self, phase: Optional[str] = None) -> None:
+        self._beat += 1
+        record = Record(self._beat, self.step, phase or self.phase, blocked_in(self._main))
+        self.store.set(self._key(self.rank), record.encode())
+
+    def _read(self) -> dict[int, Record]:
+        out = {}
+        for r in range(self.world_size):
+            if self.store.check([self._key(r)]):
+                out[r] = Record.decode(self.store.get(self._key(r)).decode())
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._publish()
+                if time.monotonic() - self._moved < self.timeout_s:
+                    continue
+                before = self._read()
+                # A few beats (still beating: a peer diagnosing at the same time must see this rank alive).
+                for _ in range(3):
+                    if self._stop.wait(self.poll_s):
+                        return
+                    self._publish()
+                after = self._read()
+            except Exception:  # noqa: BLE001 - the store is gone (shutdown) or a peer died: not ours to report
+                if self._stop.is_set():
+                    return
+                continue
+            if time.monotonic() - self._moved >= self.timeout_s and not self._stop.is_set():
+                missing = {r: Record(0, -1, "never started") for r in range(self.world_size) if r not in after}
+                before.update({r: rec for r, rec in missing.items() if r not in before})
+                after.update(missing)
+                message = diagnose(self.rank, before, after)
+                try:  # the others must not take this rank's exit for the hang
+                    self._publish(_EXITED + self.phase)
+                except Exception:  # noqa: BLE001 - the store went first; the message is what matters
+                    pass
+                self.on_hang(message)
+                return
+
+
+def _callback_base() -> type:
+    from lightning.pytorch.callbacks import Callback
+
+    return Callback
+
+
+class WatchdogCallback(_callback_base()):  # type: ignore[misc]
+    """Marks the training loop's phases on a :class:`Watchdog`; added to the Trainer by the strategy.
+
+    The marks are attribute writes on the main thread: the cost of the detector is its thread's
+    one store write a second (measured in benchmarks/, see the README).
+    """
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self.watchdog = watchdog
+
+    def _mark(self, trainer: Any, phase: str) -> None:
+        self.watchdog.mark(int(trainer.global_step), phase)
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        self._mark(trainer, "training_step")
+
+    def on_before_backward(self, trainer: Any, *args: Any) -> None:
+        self._mark(trainer, "backward")
+
+    def on_before_optimizer_step(self, trainer: Any, *args: Any) -> None:
+        self._mark(trainer, "optimizer_step")
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        self._mark(trainer, "between_steps")
+
+    def on_validation_batch_start(self, trainer: Any, *args: Any) -> None:
+        self._mark(trainer, "validation_step")
+
+    def on_validation_end(self, trainer: Any, *args: Any) -> None:
+        self._mark(trainer, "between_steps")
+
+    def on_save_checkpoint(self, trainer: Any, *args: Any) -> None:
+        self._mark(trainer, "checkpoint")
+
+
+def start_watchdog(trainer: Any, timeout_s: float) -> Optional[WatchdogCallback]:
+    """Start this rank's watchdog and add its callback to ``trainer`` (None: off, or nobody to wait for)."""
+    import torch.distributed as dist
+
+    if timeout_s <= 0 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    watchdog = Watchdog(_get_default_store(), dist.get_rank(), dist.get_world_size(), timeout_s).start()
+    callback = WatchdogCallback(watchdog)
+    trainer.callbacks.append(callback)
+    return callback
+
+
+def stop_watchdog(trainer: Any, callback: Optional[WatchdogCallback]) -> None:
+    if callback is None:
+        return
+    callback.watchdog.stop()
+    if callback in trainer.callbacks:
+        trainer.callbacks.remove(callback)
