@@ -21,10 +21,13 @@ decides:
 * if every rank is at the same position and responding, they are all blocked in the same place
   (a collective that never completes): that is said too.
 
-It then prints one message (the step, each rank's phase and the collective that phase waits in,
-and the missing ranks) and ends its own process with exit status :data:`HANG_EXIT_CODE`. Every
-live rank does the same, as each sees its own progress stop, so the run ends on every rank within
-``watchdog_s`` plus a few seconds; the rank that is behind but alive reports itself. Keep
+It then prints one message (the step, each rank's phase and the collective it is blocked in,
+read off its main thread's Python stack with the caller's file and line, and the missing ranks),
+posts a verdict in the store so that every other live rank diagnoses at once from its own view,
+waits (a few beats at most) until each responding rank has reported, and ends its process with
+exit status :data:`HANG_EXIT_CODE`, rank 0 first (Lightning's launcher kills its parent process
+when a child ends first). So the run ends on every live rank within ``watchdog_s`` plus a few
+seconds, each printing its report; the rank that is behind but alive reports itself. Keep
 ``watchdog_s`` above the longest phase a rank can spend alone (a checkpoint save, a validation
 epoch: the loop marks each batch), and below the process-group timeout (``ZeroConfig`` checks).
 
@@ -46,6 +49,7 @@ HANG_EXIT_CODE = 75
 
 _PREFIX = "ampzero/watchdog/"
 _EXITED = "exited:"
+_VERDICT = "verdict"
 
 #: What each phase waits in when it blocks (for the message).
 WAITS_IN = {
@@ -79,7 +83,7 @@ class Record:
 
     @property
     def position(self) -> tuple[int, int]:
-        return self.step, _ORDER.get(self.phase, 0)
+        return self.step, _ORDER.get(self.phase.removeprefix(_EXITED), 0)
 
     def encode(self) -> str:
         return f"{self.beat}|{self.step}|{self.phase}|{self.waiting}"
@@ -91,13 +95,15 @@ class Record:
 
     def describe(self) -> str:
         where = f"step {self.step}, {self.phase.removeprefix(_EXITED)}"
-        return f"{where}, blocked in {self.waiting}" if self.waiting else f"{where}, in no collective"
+        where = f"{where}, blocked in {self.waiting}" if self.waiting else f"{where}, in no collective"
+        return f"{where} (since ended by its watchdog)" if self.exited else where
 
 
 def diagnose(rank: int, before: dict[int, Record], after: dict[int, Record]) -> str:
     """The message for a hang seen by ``rank``: two reads of every rank's record, a few beats apart."""
+    # A rank that already ended on its own watchdog is not silent; where it was still counts.
     silent = sorted(r for r in after if after[r].beat == before[r].beat and not after[r].exited)
-    live = {r: rec for r, rec in after.items() if r not in silent and not rec.exited}
+    live = {r: rec for r, rec in after.items() if r not in silent}
     blocked = {r: rec for r, rec in live.items() if rec.waiting}
     # Responding ranks that are in no collective while others wait in one did not arrive; with
     # no collective seen anywhere, the ranks behind the others' loop position did not.
@@ -137,6 +143,7 @@ def _ranks(ranks: list[int]) -> str:
 
 
 _C10D_FILES = ("distributed_c10d.py",)
+_WRAPPER_FILES = ("c10d_logger.py", "functools.py", "contextlib.py")
 
 
 def blocked_in(thread_id: int) -> str:
@@ -151,14 +158,23 @@ def blocked_in(thread_id: int) -> str:
     while frame is not None:
         code = frame.f_code
         if code.co_filename.endswith(_C10D_FILES) and not code.co_name.startswith("_"):
-            found = code.co_name  # the outermost public c10d function: the collective called
+            # the outermost public c10d function is the collective called; name its caller too
+            caller = frame.f_back
+            while caller is not None and caller.f_code.co_filename.endswith(_WRAPPER_FILES):
+                caller = caller.f_back
+            where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}" if caller is not None else "?"
+            found = f"{code.co_name} (called from {where})"
         frame = frame.f_back
     return found
 
 
-def _exit_on_hang(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+def _print_report(message: str) -> None:
     sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(2, (message + "\n").encode())  # one write: ranks sharing a terminal or log do not interleave
+
+
+def _end_process() -> None:
     os._exit(HANG_EXIT_CODE)  # the main thread is blocked inside a collective: nothing else can end it
 
 
@@ -170,13 +186,15 @@ class Watchdog:
         rank, world_size: this rank and how many there are.
         timeout_s: seconds without progress of this rank's own loop before it diagnoses a hang.
         poll_s: the publishing interval.
-        on_hang: called with the message (default: print it and end the process).
+        report: called with the message (default: print it to stderr).
+        end: called last (default: end the process with :data:`HANG_EXIT_CODE`).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float, *, poll_s: float = 1.0,
-                 on_hang: Callable[[str], None] = _exit_on_hang, prefix: str = _PREFIX) -> None:
+                 report: Callable[[str], None] = _print_report, end: Callable[[], None] = _end_process,
+                 prefix: str = _PREFIX) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.timeout_s, self.poll_s, self.on_hang, self.prefix = timeout_s, poll_s, on_hang, prefix
+        self.timeout_s, self.poll_s, self.report, self.end, self.prefix = timeout_s, poll_s, report, end, prefix
         self.step, self.phase = 0, "setup"
         self._moved = time.monotonic()
         self._main = threading.get_ident()  # the thread that runs the loop (the one that builds us)
@@ -217,10 +235,14 @@ class Watchdog:
         return out
 
     def _run(self) -> None:
+        store_lost_since: Optional[float] = None
         while not self._stop.wait(self.poll_s):
+            stuck = time.monotonic() - self._moved >= self.timeout_s
             try:
                 self._publish()
-                if time.monotonic() - self._moved < self.timeout_s:
+                # A peer that diagnosed a hang ends the run: diagnose now too, from this rank's view.
+                if not stuck and not self.store.check([self.prefix + _VERDICT]):
+                    store_lost_since = None
                     continue
                 before = self._read()
                 # A few beats (still beating: a peer diagnosing at the same time must see this rank alive).
@@ -229,21 +251,54 @@ class Watchdog:
                         return
                     self._publish()
                 after = self._read()
-            except Exception:  # noqa: BLE001 - the store is gone (shutdown) or a peer died: not ours to report
+            except Exception:  # noqa: BLE001 - the store is unreachable: its host ended, or shutdown
                 if self._stop.is_set():
                     return
+                store_lost_since = store_lost_since or time.monotonic()
+                if stuck and time.monotonic() - store_lost_since > 3 * self.poll_s:
+                    self._finish(f"ampzero watchdog (rank {self.rank}): no progress for the watchdog time in step"
+                                 f" {self.step}, {self.phase}, and the process group's store is unreachable: the"
+                                 " rank that hosts it (rank 0) has ended; its message names the missing ranks."
+                                 " Ending this process.")
+                    return
                 continue
-            if time.monotonic() - self._moved >= self.timeout_s and not self._stop.is_set():
-                missing = {r: Record(0, -1, "never started") for r in range(self.world_size) if r not in after}
-                before.update({r: rec for r, rec in missing.items() if r not in before})
-                after.update(missing)
-                message = diagnose(self.rank, before, after)
-                try:  # the others must not take this rank's exit for the hang
-                    self._publish(_EXITED + self.phase)
-                except Exception:  # noqa: BLE001 - the store went first; the message is what matters
-                    pass
-                self.on_hang(message)
+            if self._stop.is_set():
                 return
+            missing = {r: Record(0, -1, "never started") for r in range(self.world_size) if r not in after}
+            before.update({r: rec for r, rec in missing.items() if r not in before})
+            after.update(missing)
+            message = diagnose(self.rank, before, after)
+            self.report(message)
+            try:
+                # The others must not take this rank's exit for the hang, and must hear of it now.
+                self._publish(_EXITED + self.phase)
+                self.store.set(self.prefix + _VERDICT, str(self.rank))
+                self._await_peers(silent=[r for r in after if after[r].beat == before[r].beat])
+            except Exception:  # noqa: BLE001 - the store went first; the message is out already
+                pass
+            self.end()
+            return
+
+    def _await_peers(self, silent: list[int]) -> None:
+        """Stay until every responding rank has reported too (bounded).
+
+        A launcher that sees one rank end kills the others (Lightning's subprocess launcher does),
+        and rank 0 hosts the store the others read: leaving first would cut their reports short.
+        """
+        deadline = time.monotonic() + 8 * self.poll_s
+        while time.monotonic() < deadline:
+            records = self._read()
+            if all(r in silent or (r in records and records[r].exited) for r in range(self.world_size)):
+                break
+            if self._stop.wait(self.poll_s / 2):
+                return
+        # Rank 0 leaves first: Lightning's launcher runs it in the parent process, and a child that ends
+        # first makes the launcher kill the parent (SIGKILL) before it has left with its own status.
+        self._stop.wait(self.poll_s / 2 if self.rank == 0 else 2 * self.poll_s)
+
+    def _finish(self, message: str) -> None:
+        self.report(message)
+        self.end()
 
 
 def _callback_base() -> type:
