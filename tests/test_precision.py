@@ -526,3 +526,25 @@ def test_ampzero_train_computes_its_matmuls_in_the_low_dtype_on_cpu(tmp_path, pr
     seen = json.loads(out.read_text())
     assert sum(seen.values()) > 0, seen
     assert all(key.endswith(f":{dtype}") for key in seen), seen  # every product, forward and backward
+
+
+def test_skipped_steps_are_said_rate_limited_and_summed_up_at_teardown(monkeypatch):
+    import lightning_ampzero.precision.plugin as plugin_module
+
+    said: list[str] = []
+    monkeypatch.setattr(plugin_module, "rank_zero_info", said.append)
+    cfg = PrecisionConfig(loss_scaler=LossScalerConfig(initial_scale_power=20, hysteresis=2, loss_scale_window=100))
+    plugin = AmpZeroPrecision("16-mixed", cfg, device="cpu")
+    plugin._stub = _StubModule()
+    net = nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    for _ in range(9):
+        _step(plugin, net, opt, 0.5, overflow=True)
+    # skips 1, 2, 3, then 4 and 8: five lines for nine skips
+    lines = [s for s in said if "skipped, non-finite gradients" in s]
+    assert len(lines) == 5, said
+    assert "loss scale kept at 1.04858e+06 (hysteresis); 1 skipped so far" in lines[0]
+    assert "loss scale 1.04858e+06 -> 524288; 2 skipped so far" in lines[1]
+    assert "8 skipped so far" in lines[4]
+    plugin.teardown()
+    assert "9 optimizer step(s) skipped for non-finite gradients" in said[-1] and "final loss scale 4096" in said[-1]

@@ -129,6 +129,7 @@ class AmpZeroPrecision(Precision):
             precision, self.config.loss_scaler, check_grad_overflow=self.config.check_grad_overflow
         )
         self._ddp_cast: Any = None
+        self._skips: list[Any] = []  # the global steps skipped this fit, for the lines and the summary
 
     @classmethod
     def from_lightning(cls, plugin: Precision, config: Optional[PrecisionConfig] = None) -> "AmpZeroPrecision":
@@ -249,10 +250,35 @@ class AmpZeroPrecision(Precision):
             return closure_result
         self.scaler.unscale_(optimizer)
         self._after_closure(model, optimizer)
+        scale_before = self.scaler.get_scale()
         result = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         self._log_scaler(model)
+        if self.scaler.last_step_skipped:
+            self._say_skipped(model, scale_before)
         return result
+
+    def _say_skipped(self, model: Any, scale_before: float) -> None:
+        """One line per skipped step, rate-limited (the 1st, 2nd, 3rd, then each power of two)."""
+        step = getattr(getattr(model, "_trainer", None), "global_step", None)
+        skipped = int(self.scaler.stats()["skipped_steps"])
+        self._skips.append(step)
+        if skipped > 3 and skipped & (skipped - 1):
+            return
+        scale = self.scaler.get_scale()
+        change = f"loss scale {scale_before:g} -> {scale:g}" if scale != scale_before else f"loss scale kept at {scale:g} (hysteresis)"
+        more = " (further skips are reported at powers of two; the count is logged as 'skipped_steps')" if skipped == 3 else ""
+        rank_zero_info(f"precision={self.precision!r}: step {step} skipped, non-finite gradients on some rank;"
+                       f" {change}; {skipped} skipped so far.{more}")
+
+    def teardown(self) -> None:
+        if self._skips:
+            first, last = self._skips[0], self._skips[-1]
+            rank_zero_info(f"precision={self.precision!r}: {len(self._skips)} optimizer step(s) skipped for non-finite"
+                           f" gradients (first at step {first}, last at step {last}); final loss scale"
+                           f" {self.scaler.get_scale():g}.")
+            self._skips = []
+        super().teardown()
 
     def _log_scaler(self, model: Any) -> None:
         # Through LightningModule.log, so it reaches every logger at the Trainer's
