@@ -26,7 +26,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 
 from lightning_ampzero.config import ZeroConfig
 from lightning_ampzero.zero.comm import LowPrecisionReduceScatter
-from lightning_ampzero.zero.units import Unit, plan_units
+from lightning_ampzero.zero.buffers import buffer_broadcast_of, install_buffer_broadcast
+from lightning_ampzero.zero.units import Unit, plan_units, region
 
 
 def _reshard_after_forward(cfg: ZeroConfig, numel: int) -> "bool | int":
@@ -63,7 +64,8 @@ def _numel(modules: list[nn.Module], exclude: "set[int] | frozenset[int]" = froz
 
 
 def _policy_groups(
-    unit: Unit, module_policies: Mapping[nn.Module, MixedPrecisionPolicy], names: Mapping[int, str]
+    unit: Unit, module_policies: Mapping[nn.Module, MixedPrecisionPolicy], names: Mapping[int, str],
+    stop: "set[int] | frozenset[int]" = frozenset(),
 ) -> list[tuple[Unit, MixedPrecisionPolicy]]:
     """The modules under ``unit`` that have a policy of their own, one group per policy, innermost group first.
 
@@ -78,16 +80,14 @@ def _policy_groups(
     11 / 16 / 31 and 0.92-1.12x, with identical losses (a model that fits one bucket has since become
     one unit below stage 3: [Note: units below stage 3] in units.py). A module inside another of the same group
     is covered by it; groups nested in one another are sharded innermost first (bottom-up, as
-    every FSDP2 unit).
+    every FSDP2 unit). ``stop``: ids of the modules of units sharded before this one (inside it):
+    their modules belong to them (:func:`lightning_ampzero.zero.units.region`).
     """
     found: dict[MixedPrecisionPolicy, list[nn.Module]] = {}
-    seen: set[int] = set()
-    for top in unit.modules:
-        for sub in top.modules():
-            policy = module_policies.get(sub)
-            if policy is not None and id(sub) not in seen:
-                seen.add(id(sub))
-                found.setdefault(policy, []).append(sub)
+    for sub in region(unit.modules, stop):
+        policy = module_policies.get(sub)
+        if policy is not None:
+            found.setdefault(policy, []).append(sub)
     groups: list[tuple[list[nn.Module], MixedPrecisionPolicy, set[int]]] = []
     for policy, mods in found.items():
         below = {id(s) for m in mods for s in m.modules() if s is not m}
@@ -108,6 +108,34 @@ def _policy_groups(
     return ordered
 
 
+def _check_one_group_per_parameter(model: nn.Module, plan: list[Unit], names: Mapping[int, str]) -> None:
+    """Refuse, before any ``fully_shard``, a parameter that two planned groups (or a group and the root) manage.
+
+    FSDP2 would fail at the first forward ("is shared with a parameter already managed by another
+    FSDP group"). ``plan_units`` merges the units that share a parameter ([Note: shared
+    parameters] in units.py); what is left is a module given a policy of its own (``module_policies``)
+    whose parameter another module outside it also holds.
+    """
+    def where(i: int) -> str:
+        return "the root" if i == len(plan) else f"the group of {plan[i].names}"
+
+    owner: dict[int, tuple[int, str]] = {}
+    done: set[int] = set()
+    for index, group in enumerate([*plan, Unit([model], [""], 0)]):
+        for module in region(group.modules, done - {id(m) for m in group.modules}):
+            for pname, p in module.named_parameters(recurse=False):
+                holder = f"{names.get(id(module), '?')}.{pname}".lstrip(".")
+                first = owner.setdefault(id(p), (index, holder))
+                if first[0] != index:
+                    raise ValueError(
+                        f"Parameter {holder!r} is the same tensor as {first[1]!r}, but {where(index)} and"
+                        f" {where(first[0])} would each shard it: FSDP2 shards a parameter in one group only and"
+                        " would fail at the first step. Give both modules the same module policy (or none), so"
+                        " that they are sharded together, or untie the parameter."
+                    )
+        done.update(id(m) for m in group.modules)
+
+
 def apply_zero(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -126,6 +154,11 @@ def apply_zero(
     only of such modules takes their policy. A module with a policy outside every unit is a group
     of its own. The nested groups are not in the returned list. ``offload_policy`` (every unit):
     FSDP2's ``CPUOffloadPolicy`` for ``offload.offload_param='cpu'`` (offload/setup.py).
+
+    Modules that share a parameter are sharded in one group ([Note: shared parameters] in
+    units.py); a plan that would still shard a parameter in two groups is refused here. A model
+    with persistent buffers (BatchNorm statistics) gets DDP's buffer broadcast on its forward
+    ([Note: buffer broadcast] in buffers.py).
     """
     if cfg.stage == 0:
         raise ValueError("apply_zero handles stages 1-3; stage 0 is plain DDP (the strategy wraps it).")
@@ -140,36 +173,41 @@ def apply_zero(
     module_policies = dict(module_policies or {})
     names = {id(m): n for n, m in model.named_modules()}
 
-    def shard(group: Unit, policy: MixedPrecisionPolicy) -> None:
+    # Every fully_shard call is one FSDP2 group, planned first (in the order they are sharded:
+    # bottom-up, inner groups first, so each unit, and last the root, keeps only what no inner
+    # group claimed), checked, then sharded; ``groups`` keeps them for prefetch.
+    plan: list[tuple[Unit, MixedPrecisionPolicy]] = []
+    tops = {id(m) for u in units for m in u.modules}
+    in_units = {id(s) for u in units for m in u.modules for s in m.modules()}
+    # [precision] modules with a policy of their own outside every unit: one group per policy.
+    outside = {m: p for m, p in module_policies.items() if m is not model and id(m) not in in_units}
+    plan.extend(_policy_groups(Unit([model], [""], 0), outside, names, stop=tops))
+    for unit in units:
+        stop = tops - {id(m) for m in unit.modules}
+        # [precision] the modules of the unit that share a policy, one group per policy.
+        claimed: set[int] = set()
+        for group, policy in _policy_groups(unit, module_policies, names, stop):
+            plan.append((group, policy))
+            claimed.update(id(p) for m in group.modules for p in m.parameters())
+        rest = [m for m in unit.modules if m not in module_policies]
+        if rest:
+            params = {id(p): p for m in region(rest, stop) for p in m.parameters(recurse=False)}
+            plan.append((Unit(rest, [names[id(m)] for m in rest],
+                              sum(p.numel() for i, p in params.items() if i not in claimed)), mp_policy))
+    _check_one_group_per_parameter(model, [g for g, _ in plan], names)
+
+    groups: list[Unit] = []
+    for group, policy in plan:
         fully_shard(group.target, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, group.numel),
                     mp_policy=policy, offload_policy=offload_policy)
         comm_dtype = getattr(policy, "comm_dtype", None)
         if comm_dtype is not None:  # [precision] see [Note: stage 1 accumulation dtype] in comm.py
             group.modules[0].set_custom_reduce_scatter(LowPrecisionReduceScatter(comm_dtype))
-
-    # Every fully_shard call below is one FSDP2 group; ``groups`` keeps them for prefetch.
-    groups: list[Unit] = []
-    in_units = {id(s) for u in units for m in u.modules for s in m.modules()}
-    # [precision] modules with a policy of their own outside every unit: one group per policy.
-    outside = {m: p for m, p in module_policies.items() if m is not model and id(m) not in in_units}
-    for group, policy in _policy_groups(Unit([model], [""], 0), outside, names):
-        shard(group, policy)
         groups.append(group)
-    # Bottom-up: inner groups first, so each unit, and last the root, keeps only what no inner
-    # group claimed.
-    for unit in units:
-        # [precision] the modules of the unit that share a policy, one group per policy.
-        claimed: set[int] = set()
-        for group, policy in _policy_groups(unit, module_policies, names):
-            shard(group, policy)
-            groups.append(group)
-            claimed.update(id(p) for m in group.modules for p in m.parameters())
-        rest = [m for m in unit.modules if m not in module_policies]
-        if rest:
-            group = Unit(rest, [names[id(m)] for m in rest], _numel(rest, exclude=claimed))
-            shard(group, mp_policy)
-            groups.append(group)
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)
+    # [Note: buffer broadcast] in zero/buffers.py: running statistics as DDP keeps them.
+    # Every rank of the mesh holds a replica of the buffers (FSDP2 shards parameters only).
+    install_buffer_broadcast(model, mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())
 
     if cfg.stage == 3 and cfg.prefetch_bucket_size > 0:
         # Prefetch follows execution order, which for the usual model (embeddings, blocks, head)
@@ -228,13 +266,21 @@ def register_root_method(module: nn.Module, name: str) -> None:
     method = getattr(module, name)
     state = module._get_fsdp_state()
 
+    buffers = buffer_broadcast_of(module)  # [Note: buffer broadcast]: DDP broadcasts in its forward, that runs the step
+
     def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
-        args, kwargs = state._pre_forward(module, args, kwargs)
-        out = method(*args, **kwargs)
-        for group in state._fsdp_param_groups:
-            if group._training_state == TrainingState.IDLE and not group._reshard_after_forward:
-                group._training_state = TrainingState.FORWARD  # a nested forward already ran
-        return state._post_forward(module, args, out)
+        if buffers is not None:
+            buffers.enter()
+        try:
+            args, kwargs = state._pre_forward(module, args, kwargs)
+            out = method(*args, **kwargs)
+            for group in state._fsdp_param_groups:
+                if group._training_state == TrainingState.IDLE and not group._reshard_after_forward:
+                    group._training_state = TrainingState.FORWARD  # a nested forward already ran
+            return state._post_forward(module, args, out)
+        finally:
+            if buffers is not None:
+                buffers.exit()
 
     object.__setattr__(module, name, functools.wraps(method)(wrapped))
 
@@ -253,6 +299,9 @@ def no_sync(model: nn.Module, stage: int) -> Iterator[None]:
     what bounds their gradient memory to a shard.
     """
     modules = fsdp_modules(model)
+    buffers = buffer_broadcast_of(model)
+    if buffers is not None:
+        buffers.gradient_sync = False  # DDP's no_sync: the next forward does not broadcast buffers
     if stage in (1, 2):
         for m in modules:
             m.set_reshard_after_backward(False, recurse=False)
@@ -265,3 +314,5 @@ def no_sync(model: nn.Module, stage: int) -> Iterator[None]:
         for m in modules:
             m.set_reshard_after_backward(True, recurse=False)
             m.set_requires_gradient_sync(True, recurse=False)
+        if buffers is not None:
+            buffers.gradient_sync = True

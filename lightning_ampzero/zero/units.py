@@ -9,6 +9,7 @@ block would push it past ``ZeroConfig.unit_size`` elements.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -83,17 +84,43 @@ def leftover_modules(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> li
     that would keep the embeddings and the output head (often the largest layers) whole on
     every rank; giving them units of their own lets them be sharded like the blocks. A run is
     a sequence of such modules with no block between them: they can share a unit.
+
+    [Note: parameters of non-leaf modules] A module that holds parameters itself and also has
+    children with parameters (a ViT's ``ViTEmbeddings``: ``cls_token`` and ``position_embeddings``
+    beside a child Conv2d; ``self.pos = nn.Parameter(...)`` on a model that is not the root)
+    must not share a list group with its children: ``fully_shard([parent, child])`` hands FSDP2
+    overlapping modules ("Cannot concatenate overlapping meshes" in setup). Such a module
+    stands for its whole subtree instead, as one entry of its run (its children are not listed):
+    ``fully_shard(parent)`` manages every parameter below it that no inner group claimed. When
+    blocks lie below it, it is a run of its own, sharded after the units inside it (bottom-up,
+    :func:`plan_units` orders them), and its group then holds its own parameters and whatever
+    below it no unit took: the same nesting FSDP2 uses for the root.
+
+    A module with no ``forward`` of its own (``nn.ParameterList``, ``nn.ParameterDict``, a plain
+    holder whose parameters its parent reads) is never called, so FSDP2's hooks on it would never
+    gather its parameters: its parent's forward would read shards. It is not listed: whatever
+    covers its parent (a block, a covering module, or the root) gathers its parameters.
     """
     in_block = {id(m) for _, b in blocks for m in b.modules()}
     block_ids = {id(b) for _, b in blocks}
     runs: list[list[tuple[str, nn.Module]]] = [[]]
+    covered: set[int] = set()  # below a module that stands for its subtree
     for name, module in root.named_modules():
-        if module is root:
+        if module is root or id(module) in covered:
             continue
         if id(module) in block_ids:
             runs.append([])
+        elif type(module).forward is nn.Module.forward:
+            continue  # never called: left to what covers its parent
         elif id(module) not in in_block and any(True for _ in module.parameters(recurse=False)):
-            runs[-1].append((name, module))
+            below = [m for m in module.modules() if m is not module]
+            if not any(any(True for _ in m.parameters(recurse=False)) for m in below):
+                runs[-1].append((name, module))  # a leaf as far as parameters go
+            elif not any(id(m) in block_ids for m in below):
+                runs[-1].append((name, module))
+                covered.update(id(m) for m in below)
+            else:
+                runs.extend([[(name, module)], []])
     return [r for r in runs if r]
 
 
@@ -118,7 +145,7 @@ def one_unit_below_stage3(numel: int, unit_size: int) -> bool:
 
 
 def plan_units(root: nn.Module, wrap_modules: tuple[str, ...], unit_size: int, stage: int) -> list[Unit]:
-    """The communication units of ``root`` at ``stage``, in no particular order (the root unit not included).
+    """The communication units of ``root`` at ``stage`` (the root unit not included), inner units first.
 
     [Note: units below stage 3] Below stage 3 the parameters are gathered once per step and stay
     gathered, so units decide nothing about parameter memory, only how gradients are bucketed
@@ -129,6 +156,10 @@ def plan_units(root: nn.Module, wrap_modules: tuple[str, ...], unit_size: int, s
     leftovers'. A larger model keeps the units of stage 3: per-block units, and units of their
     own for the leftovers (:func:`leftover_modules`), whose gradients would otherwise wait in
     the root through the whole backward (an output head and embeddings are often the largest).
+
+    The units are returned in an order ``fully_shard`` can take them in: a unit whose module lies
+    below another unit's module comes first ([Note: parameters of non-leaf modules]). Units that
+    share a parameter are one unit ([Note: shared parameters]).
     """
     if stage < 3 and one_unit_below_stage3(_param_numel(root), unit_size):
         return []
@@ -136,4 +167,133 @@ def plan_units(root: nn.Module, wrap_modules: tuple[str, ...], unit_size: int, s
     units = group_units(blocks, unit_size)
     for run in leftover_modules(root, blocks):
         units.extend(group_units(run, unit_size))
-    return units
+    return _bottom_up(_merge_shared(root, units, unit_size, stage))
+
+
+def region(tops: "list[nn.Module]", stop: "set[int] | frozenset[int]") -> list[nn.Module]:
+    """The modules ``fully_shard(tops)`` manages once the groups whose modules' ids are in ``stop`` exist.
+
+    FSDP2 (torch 2.13 ``_get_managed_modules``) walks the children of its modules and stops at a
+    module that already belongs to a group; shared modules are visited once.
+    """
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        seen.add(id(module))
+        out.append(module)
+        for child in module.children():
+            if id(child) not in seen and id(child) not in stop:
+                visit(child)
+
+    for top in tops:
+        if id(top) not in seen:
+            visit(top)
+    return out
+
+
+def _param_owners(root: nn.Module, units: list[Unit]) -> dict[int, tuple[nn.Parameter, list[tuple[int, str]]]]:
+    """``id(param) -> (param, [(group, holder's name)])``: group ``i`` is ``units[i]``, -1 the root."""
+    tops = {id(m) for u in units for m in u.modules}
+    names = {id(m): n for n, m in root.named_modules()}
+    owners: dict[int, tuple[nn.Parameter, list[tuple[int, str]]]] = {}
+    for index, modules in [(-1, [root])] + [(i, u.modules) for i, u in enumerate(units)]:
+        for module in region(modules, tops - {id(m) for m in modules}):
+            for pname, p in module.named_parameters(recurse=False):
+                holder = f"{names.get(id(module), '?')}.{pname}".lstrip(".")
+                owners.setdefault(id(p), (p, []))[1].append((index, holder))
+    return owners
+
+
+def _merge_shared(root: nn.Module, units: list[Unit], unit_size: int, stage: int) -> list[Unit]:
+    """Units that share a parameter become one unit; a unit sharing one with the root is left to the root.
+
+    [Note: shared parameters] FSDP2 shards each parameter in exactly one group and refuses, at
+    the first forward, a parameter that two groups manage ("is shared with a parameter already
+    managed by another FSDP group"); inside one ``fully_shard`` call a parameter held by two
+    modules is sharded once. So every set of units whose modules hold one parameter object
+    (GPT-2's and OPT's ``lm_head.weight`` is ``wte.weight``; T5's ``shared``, encoder and
+    decoder ``embed_tokens`` and ``lm_head``; a hand-made tie between blocks) is merged into one
+    list group, whatever the bucket size; one that shares a parameter with the modules the root
+    manages is dissolved into the root. The cost, at stage 3: the merged group is gathered from
+    the first of its modules to run to the last (GPT-2's embedding stays gathered through the
+    forward, as the root would keep it); a parameter shared by every block makes the blocks one
+    unit, and we warn when a merge makes a unit larger than the bucket. The low-precision groups
+    nested in a unit keep a tied module with its unit (precision/policy.py ``safe_modules``).
+    """
+    owners = _param_owners(root, units)
+    parent = list(range(len(units) + 1))  # union-find; the last slot is the root
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    why: dict[int, str] = {}
+    for _, holders in owners.values():
+        groups = {g if g >= 0 else len(units) for g, _ in holders}
+        if len(groups) > 1:
+            first, *rest = groups
+            for g in rest:
+                a, b = find(first), find(g)
+                parent[min(a, b)] = max(a, b)  # the root (the largest index) stays the representative
+            for g in groups:
+                why.setdefault(g, " and ".join(sorted({h for _, h in holders})))
+    root_set = find(len(units))
+    merged: dict[int, list[int]] = {}
+    for i in range(len(units)):
+        r = find(i)
+        if r != root_set:
+            merged.setdefault(r, []).append(i)
+    order = {id(m): k for k, m in enumerate(root.modules())}
+    out: list[Unit] = []
+    for members in merged.values():
+        if len(members) == 1:
+            out.append(units[members[0]])
+            continue
+        pairs = sorted({id(m): (n, m) for i in members for n, m in zip(units[i].names, units[i].modules)}.values(),
+                       key=lambda nm: order.get(id(nm[1]), -1))
+        inside = {id(s) for _, m in pairs for s in m.modules() if s is not m}
+        pairs = [(n, m) for n, m in pairs if id(m) not in inside]  # covered by another module of the unit
+        unit = Unit([m for _, m in pairs], [n for n, _ in pairs], 0)
+        out.append(unit)
+        unit.numel = _region_numel(unit, units)
+        if stage == 3 and unit.numel > max(unit_size, *(units[i].numel for i in members)):
+            reason = next((why[i] for i in members if i in why), "a parameter")
+            warnings.warn(
+                f"{', '.join(unit.names)} share a parameter ({reason}), so they are one FSDP2 unit of"
+                f" {unit.numel:,} elements (zero.reduce_bucket_size allows {unit_size:,}): stage 3 keeps it"
+                " gathered from the first of these modules to run until the last.", stacklevel=3,
+            )
+    for unit in out:
+        unit.numel = _region_numel(unit, out)
+    return out
+
+
+def _region_numel(unit: Unit, units: list[Unit]) -> int:
+    """Elements the group of ``unit`` gathers: its region, each parameter once."""
+    stop = {id(m) for u in units if u is not unit for m in u.modules} - {id(m) for m in unit.modules}
+    params = {id(p): p for m in region(unit.modules, stop) for p in m.parameters(recurse=False)}
+    return sum(p.numel() for p in params.values())
+
+
+def _bottom_up(units: list[Unit]) -> list[Unit]:
+    """``units`` ordered so that a unit comes before every unit whose modules reach its modules."""
+    below: list[set[int]] = [{id(s) for m in u.modules for s in m.modules() if s is not m} for u in units]
+    tops = [{id(m) for m in u.modules} for u in units]
+    done: list[Unit] = []
+    left = list(range(len(units)))
+    while left:
+        ready = [i for i in left if not any(j != i and tops[j] & below[i] for j in left)]
+        if not ready:
+            cycle = [", ".join(units[i].names) for i in left]
+            raise ValueError(
+                f"FSDP2 units {cycle} each hold modules inside the other (through modules registered under"
+                " two parents), so no unit can be sharded before the other. Register each shared module"
+                " once (keep a plain attribute, not a submodule, for the second reference), or pass"
+                " zero.wrap_modules so that the shared module is inside one unit."
+            )
+        done.extend(units[i] for i in ready)
+        left = [i for i in left if i not in ready]
+    return done
