@@ -103,3 +103,11 @@ def test_consolidation_memory_is_bounded_by_the_largest_tensor(tmp_path):
     assert big_written >= 48 * tensor
     assert big_peak - small_peak < tensor, "peak memory grew with the number of tensors"
     assert big_peak < big_written / 3
+
+
+def test_cli_errors_are_not_wrapped_into_the_middle_of_a_path(tmp_path):
+    # rich wrapped the message at 80 columns: a long path came out split across lines.
+    missing = tmp_path / ("a-directory-with-a-long-name-" * 6) / "missing.ckpt"
+    bad = _cli(str(missing), str(tmp_path / "x.safetensors"))
+    assert bad.returncode == 2
+    assert str(missing) in bad.stderr and "not a sharded checkpoint" in bad.stderr, bad.stderr

@@ -75,8 +75,11 @@ def plan_shards(entries: list[Entry], max_shard_size: Optional[int]) -> list[lis
     return shards
 
 
-def _shard_names(out: Path, n: int, fmt: str) -> list[Path]:
+def _shard_names(out: Path, n: int, fmt: str, single_name: Optional[str] = None) -> list[Path]:
     ext = "safetensors" if fmt == "safetensors" else "pt"
+    if n == 1 and single_name is not None:  # a directory in save_pretrained's layout
+        out.mkdir(parents=True, exist_ok=True)
+        return [out / single_name]
     if n == 1:
         return [out if out.suffix else out.with_suffix(f".{ext}")]
     out.mkdir(parents=True, exist_ok=True)
@@ -139,17 +142,21 @@ def write_state(
     fmt: str = "safetensors",
     max_shard_size: Optional[int] = None,
     write: bool = True,
+    single_name: Optional[str] = None,
 ) -> list[Path]:
     """Stream tensors (``fetch(entry)``, already in ``entry.dtype``) into one or more files.
 
     ``write=False`` still calls ``fetch`` for every entry (so collective fetches stay in step
-    on every rank) but writes nothing: only the global rank zero writes.
+    on every rank) but writes nothing: only the global rank zero writes. With ``single_name``
+    ``out`` is a directory and an unsplit output is ``out/single_name`` (``model.safetensors``,
+    as ``save_pretrained`` names it); split outputs are ``model-0000i-of-0000n`` files plus
+    ``model.<fmt>.index.json`` either way.
     """
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is not supported. Allowed: {', '.join(FORMATS)}.")
     shards = plan_shards(entries, max_shard_size)
-    paths = _shard_names(out, len(shards), fmt)
-    for shard, path in zip(shards, paths):
+    paths = _shard_names(out, len(shards), fmt, single_name) if write else []
+    for shard, path in zip(shards, paths or [None] * len(shards)):
         if fmt == "safetensors":
             writer = SafetensorsStreamWriter(path, shard) if write else None
             for e in shard:
@@ -162,7 +169,7 @@ def write_state(
                 writer.close()
         else:  # torch.save needs the shard in memory: bound it with max_shard_size
             state = {e.name: fetch(e) for e in shard}
-            if write:
+            if path is not None:
                 torch.save(state, path)
     if write and len(paths) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
@@ -205,9 +212,6 @@ def consolidate_checkpoint(
     strip_prefix: str = "",
 ) -> list[Path]:
     """Turn a sharded ``ampzero`` checkpoint into plain state-dict file(s) loadable without a process group."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
     from lightning_ampzero.checkpoint.sharded import _check_loadable
 
     ckpt = Path(ckpt)
@@ -216,7 +220,14 @@ def consolidate_checkpoint(
         raise ValueError(f"dtype {dtype!r} is not supported. Allowed: {', '.join(DTYPES)}.")
     target = DTYPES[dtype] if dtype else None
     keyed = checkpoint_entries(ckpt, target, strip_prefix)
-    source = {e.name: (key, meta) for key, e, meta in keyed}
+    fetch = checkpoint_fetcher(ckpt, {e.name: (key, meta) for key, e, meta in keyed})
+    return write_state([e for _, e, _ in keyed], fetch, Path(out), fmt=fmt, max_shard_size=parse_size(max_shard_size))
+
+
+def checkpoint_fetcher(ckpt: Path, source: dict[str, tuple[str, Any]]) -> Callable[[Entry], torch.Tensor]:
+    """``fetch(entry)`` reading the one tensor ``source[entry.name]`` ((DCP key, its metadata)) from ``ckpt``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
 
     def fetch(e: Entry) -> torch.Tensor:
         key, meta = source[e.name]
@@ -225,7 +236,7 @@ def consolidate_checkpoint(
                  planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
         return t.to(e.dtype)
 
-    return write_state([e for _, e, _ in keyed], fetch, Path(out), fmt=fmt, max_shard_size=parse_size(max_shard_size))
+    return fetch
 
 
 def export_consolidated(

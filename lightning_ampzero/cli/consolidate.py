@@ -1,4 +1,8 @@
-"""``ampzero-consolidate CKPT OUT``: a sharded checkpoint -> plain state-dict file(s), no GPU, no process group."""
+"""``ampzero-consolidate CKPT OUT``: a sharded checkpoint -> plain state-dict file(s), no GPU, no process group.
+
+With ``--hf-config DIR`` OUT is a Hugging Face ``save_pretrained`` directory instead (config.json,
+HF key names, tied copies dropped) that ``AutoModelForCausalLM.from_pretrained(OUT)`` loads.
+"""
 
 from __future__ import annotations
 
@@ -51,12 +55,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("out", type=Path, help="output file, or folder when the output is split into shards")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
     parser.add_argument("--format", choices=FORMATS, default="safetensors")
-    parser.add_argument("--max-shard-size", default=None, help="split output files, e.g. 5GB (default: one file)")
-    parser.add_argument("--strip-prefix", default="",
-                        help="keep only keys under this prefix and drop it, e.g. 'model.' for the inner nn.Module")
+    parser.add_argument("--max-shard-size", default=None,
+                        help="split output files, e.g. 5GB (default: one file; with --hf-config: 5GB)")
+    parser.add_argument("--strip-prefix", default=None,
+                        help="keep only keys under this prefix and drop it, e.g. 'model.' for the inner nn.Module"
+                        " (with --hf-config: found from the model's names when not given)")
+    parser.add_argument("--hf-config", type=Path, default=None,
+                        help="write a Hugging Face save_pretrained directory: a directory with the model's config.json"
+                        " (e.g. the one the model was loaded from)")
+    parser.add_argument("--hf-class", default=None,
+                        help="with --hf-config: the transformers model class (default: the config's architectures[0])")
     args = parser.parse_args(argv)
+    if args.hf_class and args.hf_config is None:
+        parser.error("--hf-class needs --hf-config")
+    if args.hf_config is not None and args.format != "safetensors":
+        parser.error("--hf-config writes safetensors: leave --format at its default")
 
     import torch  # noqa: F401  (imported before measuring, so the baseline includes it)
+    if args.hf_config is not None:
+        try:
+            import transformers  # noqa: F401  (likewise: its import is not what the export costs)
+        except ImportError:
+            print("ampzero-consolidate: --hf-config needs transformers (pip install transformers).", file=sys.stderr)
+            return 2
     from rich.console import Console
     from rich.table import Table
 
@@ -66,10 +87,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     baseline = _start_peak_window()
     start = time.perf_counter()
     try:
-        paths = consolidate_checkpoint(args.checkpoint, args.out, dtype=args.dtype, fmt=args.format,
-                                       max_shard_size=args.max_shard_size, strip_prefix=args.strip_prefix)
-    except (ValueError, FileNotFoundError, TypeError) as err:
-        console.print(f"[red]ampzero-consolidate: {err}[/red]")
+        if args.hf_config is not None:
+            from lightning_ampzero.hf.export import DEFAULT_MAX_SHARD_SIZE, export_checkpoint
+
+            paths = export_checkpoint(args.checkpoint, args.out, args.hf_config, prefix=args.strip_prefix,
+                                      model_class=args.hf_class, dtype=args.dtype,
+                                      max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+        else:
+            paths = consolidate_checkpoint(args.checkpoint, args.out, dtype=args.dtype, fmt=args.format,
+                                           max_shard_size=args.max_shard_size, strip_prefix=args.strip_prefix or "")
+    except (ValueError, FileNotFoundError, TypeError, NotImplementedError, ImportError) as err:
+        # Plain print: rich would wrap the message at the terminal's width, into the middle of a path.
+        print(f"ampzero-consolidate: error: {err}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
     peak = _peak_rss_bytes() - baseline

@@ -1,0 +1,256 @@
+"""Trained weights out: a ``save_pretrained`` directory that ``AutoModel*.from_pretrained(dir)`` loads.
+
+Two sources, one layout (``config.json``, ``model.safetensors`` or ``model-0000i-of-0000n``
+files with ``model.safetensors.index.json``, HF key names, tied duplicates dropped):
+
+- a live, possibly sharded, model: :func:`save_pretrained` (collective; each tensor is gathered
+  alone with ``full_tensor()`` and streamed to disk by rank zero, so no rank holds the model);
+- a sharded checkpoint written by strategy ``ampzero``: :func:`export_checkpoint` (also
+  ``ampzero-consolidate CKPT OUT --hf-config DIR``), one tensor at a time, no process group.
+
+Both reuse the streaming safetensors writer of checkpoint/consolidate.py
+([Note: streaming safetensors]).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_ampzero.checkpoint.consolidate import DTYPES, Entry, parse_size, write_state
+from lightning_ampzero.hf.files import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from lightning_ampzero.hf.keys import (
+    find_pretrained_model,
+    group_by_tensor,
+    matches_any,
+    model_to_checkpoint,
+    state_tensors,
+    tied_targets,
+)
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers 4.x's default; 5.x writes up to 50GB per file
+_OLD_SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+
+
+def export_plan(model: nn.Module) -> list[tuple[str, list[str], torch.Tensor]]:
+    """(checkpoint key, the model's names for the tensor, the tensor) for what ``save_pretrained`` would write.
+
+    As in transformers' ``remove_tied_weights_from_state_dict``: of a tensor known under several
+    names (tied weights), the names declared as tied copies are dropped; a declared copy whose
+    tie was not kept as one object (equal values, two tensors) is dropped too, since
+    ``from_pretrained`` ties it back to its source.
+    """
+    tied = tied_targets(model)
+    ignore = getattr(model, "_keys_to_ignore_on_save", None)
+    adapters: set[str] = set()
+    groups = group_by_tensor(state_tensors(model, adapters))
+    if adapters:
+        raise NotImplementedError(
+            f"{type(model).__name__} holds {len(adapters)} peft adapter tensors (e.g. {sorted(adapters)[:2]}):"
+            " exporting"
+            " them merged into the base weights is not supported yet. Consolidate the checkpoint"
+            " (`ampzero-consolidate CKPT OUT --strip-prefix model.`), load it into the unsharded peft model,"
+            " then use peft's merge_and_unload() and save_pretrained()."
+        )
+    all_names = {n for _, names in groups for n in names}
+    chosen: dict[str, tuple[list[str], torch.Tensor]] = {}
+    for tensor, names in groups:
+        keep = [n for n in sorted(names) if not matches_any(n, [f"^{re.escape(k)}$" for k in tied])]
+        if not keep:
+            if all(tied[n] in all_names for n in names if n in tied):
+                continue  # a copy of a tensor exported under its source's name
+            keep = sorted(names)[-1:]
+        if matches_any(keep[0], ignore):
+            continue
+        chosen[keep[0]] = (names, tensor)
+    keys = model_to_checkpoint(model, {n: t for n, (_, t) in chosen.items()})
+    return [(keys[n], names, t) for n, (names, t) in chosen.items()]
+
+
+def _out_dtype(dtype: Optional[str | torch.dtype], src: torch.dtype) -> torch.dtype:
+    if dtype is None or not src.is_floating_point:
+        return src
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported. Allowed: {', '.join(DTYPES)}, a torch.dtype, or None"
+                         " to keep each tensor's.")
+    return DTYPES[dtype]
+
+
+def _write_config(config: Any, out: Path, architecture: str, entries: Sequence[Entry],
+                  generation_config: Any = None) -> None:
+    config = copy.deepcopy(config)
+    config.architectures = [architecture]
+    floats = [e.dtype for e in entries if e.dtype.is_floating_point]
+    if floats:
+        config.dtype = max(set(floats), key=floats.count)  # what from_pretrained(dtype="auto") builds in
+    config.save_pretrained(str(out))
+    if generation_config is not None:
+        generation_config.save_pretrained(str(out))
+
+
+def _clear_old_weights(out: Path) -> None:
+    """Remove an earlier export's weight files: a stale shard or index would be loaded with the new ones."""
+    if out.is_dir():
+        for p in out.iterdir():
+            if p.is_file() and _OLD_SHARD.fullmatch(p.name):
+                p.unlink()
+
+
+def _write(entries: list[Entry], fetch: Callable[[Entry], torch.Tensor], out: Path, max_shard_size: Any,
+           write: bool) -> list[Path]:
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        _clear_old_weights(out)
+    paths = write_state(entries, fetch, out, fmt="safetensors", max_shard_size=parse_size(max_shard_size), write=write,
+                        single_name=SAFE_WEIGHTS_NAME)
+    assert not write or len(paths) == 1 or (out / SAFE_WEIGHTS_INDEX_NAME).is_file()
+    return paths
+
+
+def save_pretrained(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    dtype: Optional[str | torch.dtype] = None,
+    max_shard_size: str | int | None = DEFAULT_MAX_SHARD_SIZE,
+) -> list[Path]:
+    """Write ``model`` (a transformers model, or a module holding exactly one) as a ``save_pretrained`` directory.
+
+    Collective: every rank calls it with the same ``out_dir`` (rank zero's is used), e.g. after
+    ``trainer.fit`` or from a callback's ``on_train_end(trainer, pl_module)``::
+
+        lightning_ampzero.hf.save_pretrained(pl_module.model, "out/finetuned")
+
+    Each tensor is gathered alone (``DTensor.full_tensor()``) and streamed into the file by rank
+    zero: per rank, one full tensor at a time. ``dtype`` casts floating tensors ("bf16", "fp16",
+    "fp32" or a torch.dtype; None keeps each parameter's dtype). Outputs over ``max_shard_size``
+    are split into files with an index, as ``save_pretrained`` does. Returns the files written
+    (on rank zero; [] elsewhere).
+    """
+    import torch.distributed as dist
+
+    model = find_pretrained_model(model)
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and dist.get_world_size() > 1:
+        box = [str(out_dir)]
+        dist.broadcast_object_list(box, src=0)
+        out_dir = box[0]
+    is_zero = not distributed or dist.get_rank() == 0
+    out = Path(out_dir)
+    plan = export_plan(model)
+    entries = [Entry(key, tuple(t.shape), _out_dtype(dtype, t.dtype)) for key, _, t in plan]
+    tensors = {key: t for key, _, t in plan}
+
+    @torch.no_grad()
+    def fetch(e: Entry) -> torch.Tensor:
+        t = tensors[e.name]
+        if hasattr(t, "full_tensor"):  # a DTensor: all-gather (collective, same order on every rank)
+            t = t.full_tensor()
+        return t.detach().to(device="cpu", dtype=e.dtype)
+
+    paths = _write(entries, fetch, out, max_shard_size, is_zero)
+    if is_zero:
+        gen = getattr(model, "generation_config", None)
+        can_generate = getattr(model, "can_generate", lambda: False)()
+        _write_config(model.config, out, type(model).__name__, entries, gen if can_generate else None)
+    if distributed:
+        dist.barrier()  # the directory is complete on every rank's return
+    return paths
+
+
+def _model_class(config: Any, name: Optional[str]) -> Any:
+    import transformers
+
+    name = name or (config.architectures or [None])[0]
+    if not name:
+        raise ValueError("The config names no architecture (`architectures` is empty): pass the model class"
+                         " (--hf-class LlamaForCausalLM).")
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise ValueError(f"transformers has no model class {name!r}: pass the right one with --hf-class.")
+    return cls
+
+
+def _detect_prefix(ckpt_names: Sequence[str], model_names: set[str]) -> str:
+    """The prefix under which most checkpoint names are the model's names (e.g. 'model.' for `self.model`)."""
+    counts: dict[str, int] = {}
+    for c in ckpt_names:
+        cuts = [0] + [i + 1 for i, ch in enumerate(c) if ch == "."]
+        for i in cuts:
+            if c[i:] in model_names:
+                counts[c[:i]] = counts.get(c[:i], 0) + 1
+    if not counts:
+        raise ValueError("No tensor of the checkpoint has a name of the model built from the config: check --hf-config"
+                         " (and --hf-class).")
+    return max(counts, key=lambda p: (counts[p], -len(p)))
+
+
+def export_checkpoint(
+    ckpt: str | Path,
+    out_dir: str | Path,
+    hf_config: str | Path,
+    *,
+    prefix: Optional[str] = None,
+    model_class: Optional[str] = None,
+    dtype: Optional[str] = None,
+    max_shard_size: str | int | None = DEFAULT_MAX_SHARD_SIZE,
+) -> list[Path]:
+    """Turn a sharded ``ampzero`` checkpoint into a ``save_pretrained`` directory (no process group needed).
+
+    ``hf_config`` is a directory with the model's ``config.json`` (the directory the model was
+    loaded from does); the model class is the config's ``architectures[0]`` unless
+    ``model_class`` names one. ``prefix`` is where the model sits in the LightningModule
+    ('model.' for ``self.model``); by default the prefix that matches most names is used.
+    """
+    from transformers import AutoConfig
+
+    from lightning_ampzero.checkpoint.consolidate import checkpoint_entries, checkpoint_fetcher
+    from lightning_ampzero.checkpoint.sharded import _check_loadable
+
+    ckpt, out = Path(ckpt), Path(out_dir)
+    _check_loadable(ckpt)
+    config = AutoConfig.from_pretrained(str(hf_config))
+    cls = _model_class(config, model_class)
+    with torch.device("meta"):  # names, shapes and ties only: nothing is allocated
+        model = cls._from_config(copy.deepcopy(config)) if hasattr(cls, "_from_config") else cls(config)
+    plan = export_plan(model)
+    keyed = {e.name: (key, meta) for key, e, meta in checkpoint_entries(ckpt)}
+    if prefix is None:
+        prefix = _detect_prefix(list(keyed), {n for _, names, _ in plan for n in names})
+    entries, source, missing = [], {}, []
+    used = set()
+    for key, names, t in plan:
+        found = next((prefix + n for n in names if prefix + n in keyed), None)
+        if found is None:
+            missing.append(names[0])
+            continue
+        used.add(found)
+        ckpt_key, meta = keyed[found]
+        if tuple(meta.size) != tuple(t.shape):
+            raise ValueError(f"{found}: the checkpoint holds {tuple(meta.size)}, the model built from {hf_config}"
+                             f" has {tuple(t.shape)}: the config is not the trained model's.")
+        entries.append(Entry(key, tuple(meta.size), _out_dtype(dtype, meta.properties.dtype)))
+        source[key] = (ckpt_key, meta)
+    # names of the model's own tensors under the prefix that the model does not have
+    plan_names = {prefix + n for _, names, _ in plan for n in names}
+    extra = [k for k in keyed if k.startswith(prefix) and k not in used and k not in plan_names]
+    if missing or extra:
+        raise ValueError(
+            f"{ckpt} does not match {cls.__name__} built from {hf_config} under prefix {prefix!r}:"
+            f" {len(missing)} model tensors missing (e.g. {missing[:5]}), {len(extra)} checkpoint tensors"
+            f" not in the model (e.g. {extra[:5]}). Check --hf-config, --hf-class and --strip-prefix."
+        )
+    paths = _write(entries, checkpoint_fetcher(ckpt, source), out, max_shard_size, True)
+    gen_file = Path(hf_config) / "generation_config.json"
+    _write_config(config, out, cls.__name__, entries)
+    if gen_file.is_file():
+        shutil.copyfile(gen_file, out / gen_file.name)
+    return paths
