@@ -7,8 +7,10 @@ Order of transforms in :meth:`AmpZeroStrategy.setup` (each one a function of its
 2. activation checkpointing (:func:`lightning_ampzero.activation.apply_activation_checkpointing`:
    patches the chosen blocks' ``forward``; it must precede partitioning, see [Note: AC inside FSDP2]),
 3. partitioning: stage 0 wraps DDP; stages 1-3 call :func:`lightning_ampzero.zero.apply_zero`
-   bottom-up (with FSDP2's CPUOffloadPolicy for ``offload_param``), then materialize parameters
-   built on the meta device (stage 3),
+   bottom-up (with FSDP2's CPUOffloadPolicy for ``offload_param``), then (stage 3) materialize the
+   meta parameters: each rank's chunk kept by :class:`lightning_ampzero.zero.init.ZeroInit` while
+   ``configure_model()`` ran (taken by name before step 1, whose FP8 wrapper replaces parameter
+   objects), else ``reset_parameters`` for a model built on meta on purpose,
 4. optimizers (created after sharding so they hold the shards), then optimizer offload
    (:func:`lightning_ampzero.offload.setup.wrap_optimizers`: ``offload_optimizer`` cpu / nvme),
 5. precision plugin connection (loss scaler).
@@ -20,7 +22,7 @@ import dataclasses
 import os
 import shutil
 import typing
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Generator, Mapping, Optional, Union
@@ -52,13 +54,17 @@ from lightning_ampzero.checkpoint.sharded import load_sharded, save_sharded
 from lightning_ampzero.activation import apply_activation_checkpointing
 from lightning_ampzero.config import ActivationCheckpointingConfig, AmpZeroConfig, OffloadConfig, ZeroConfig
 from lightning_ampzero.fp8 import convert_to_fp8, fp8_optimizers
+from lightning_ampzero.fp8.convert import fp8_device_note
 from lightning_ampzero.offload import setup as offload_setup
 from lightning_ampzero.offload.optimizer import is_offloaded
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
 from lightning_ampzero.process import release_process_groups
+from lightning_ampzero.hf import load_pending_pretrained
 from lightning_ampzero.sigterm import AsyncSigtermBroadcast
+from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
 from lightning_ampzero.zero.apply import apply_zero, fsdp_modules, no_sync, register_root_method
-from lightning_ampzero.zero.materialize import check_built_for_stage3, materialize_meta_
+from lightning_ampzero.zero.init import ZeroInit, take_local_shards
+from lightning_ampzero.zero.materialize import built_outside_note, materialize_meta_, move_real_tensors_
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
@@ -157,6 +163,7 @@ class AmpZeroStrategy(ParallelStrategy):
         self.units: list[Any] = []
         self.activation_checkpointing: Any = None  # what apply_activation_checkpointing did (setup)
         self._sigterm: Any = None  # (epoch loop, AsyncSigtermBroadcast) while fitting
+        self._watchdog: Any = None  # (trainer, WatchdogCallback or None) while fitting
 
     # ---- configuration -------------------------------------------------------------------
     @property
@@ -246,9 +253,16 @@ class AmpZeroStrategy(ParallelStrategy):
     # ---- model ---------------------------------------------------------------------------
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        # Stage 3 must never hold the whole model on one rank: configure_model() builds on the
-        # meta device and setup() materializes each rank's shard after partitioning.
-        with torch.device("meta") if self.stage == 3 else nullcontext():
+        # Stage 3 must never hold the whole model on one rank, yet must start from the exact
+        # one-process weights: configure_model() runs on real tensors and each parameter keeps
+        # only this rank's chunk once it is built ([Note: partitioned construction] in
+        # zero/init.py); setup() copies the chunks into the sharded parameters. Full parameters
+        # alive at once are bounded by prefetch_bucket_size, the live-parameter budget of training.
+        if self.stage != 3:
+            yield
+            return
+        group = self._device_mesh.get_group() if self._device_mesh is not None else None
+        with ZeroInit(group, max_live_numel=int(self.config.zero.prefetch_bucket_size)):
             yield
 
     def connect(self, model: "pl.LightningModule") -> None:
@@ -264,6 +278,9 @@ class AmpZeroStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         if self.imported is not None:
             self.imported.apply_to_trainer(trainer)
+        note = fp8_device_note(self.config.fp8, self.root_device)
+        if note is not None:
+            rank_zero_warn(note)
         module = self.model
         from torch.distributed.fsdp import FSDPModule
 
@@ -282,27 +299,33 @@ class AmpZeroStrategy(ParallelStrategy):
             # of the fp32 parameters and a comm hook for the reduction dtypes (precision/ddp.py).
             self.precision_plugin.setup_ddp(self.model)
         else:
+            shards: dict[str, Tensor] = {}
             if self.stage == 3:
-                check_built_for_stage3(module)
+                note = built_outside_note(module)
+                if note is not None:
+                    rank_zero_info(note)
+                shards = take_local_shards(module)  # by name: the FP8 swap may replace parameter objects
             module = self.precision_plugin.convert_module(module)
             # [fp8] swap nn.Linear for Fp8Linear (on meta modules under stage 3), before sharding.
             module = convert_to_fp8(module, self.config.fp8)
             self._apply_activation_checkpointing(module)
             # [offload] parameter shards in host memory (stage 3; on CPU a no-op, with a warning).
             offload_policy = offload_setup.param_offload_policy(self.config.offload, self.root_device, rank_zero_warn)
-            if not any(p.is_meta for p in module.parameters()):
-                module.to(self.root_device)
+            move_real_tensors_(module, self.root_device)  # meta parameters stay for materialize_meta_
             # [precision] one FSDP2 policy for every unit, plus the modules that need a unit and a
             # policy of their own ("-mixed": lower_precision_safe_modules reduce in the low dtype).
             mp_policy, module_policies = self.precision_plugin.fsdp_policies(module, self.stage)
             self.units = apply_zero(module, self.device_mesh, self.config.zero, mp_policy,
                                     module_policies=module_policies, offload_policy=offload_policy)
-            materialize_meta_(module, offload_setup.param_init_device(self.config.offload, self.root_device))
+            materialize_meta_(module, offload_setup.param_init_device(self.config.offload, self.root_device), shards)
             # Lightning calls training_step() etc., not forward(): make them run FSDP2's
             # root hooks too, or the root unit's parameters would stay sharded.
             for name in _STEP_METHODS:
                 register_root_method(module, name)
             self.model = module
+        # [pretrained] models built by lightning_ampzero.hf.from_pretrained stream each rank's rows
+        # of their checkpoint into place, before Lightning restores a checkpoint of its own over them.
+        load_pending_pretrained(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
@@ -317,6 +340,8 @@ class AmpZeroStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device([o for o in self.optimizers if not is_offloaded(o)], self.root_device)
             self._install_sigterm_broadcast(trainer)
+            # The hang detector watches the training loop ([Note: hang detection] in watchdog.py).
+            self._watchdog = (trainer, start_watchdog(trainer, self.config.zero.watchdog_seconds))
 
     def _install_sigterm_broadcast(self, trainer: "pl.Trainer") -> None:
         # Lightning's per-batch SIGTERM broadcast, made asynchronous: [Note: asynchronous SIGTERM
@@ -392,6 +417,9 @@ class AmpZeroStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
+        if self._watchdog is not None:
+            stop_watchdog(*self._watchdog)
+            self._watchdog = None
         if self._sigterm is not None:
             loop, check = self._sigterm
             check.forget()

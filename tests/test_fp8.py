@@ -447,3 +447,13 @@ def test_o2_replaces_adam_keeping_param_groups_and_schedulers():
         fp8_optimizers([torch.optim.SGD(model.parameters(), lr=0.1)], [], Fp8Config(msamp="O2"))
     with pytest.raises(ValueError, match="amsgrad"):
         Fp8AdamW.from_optimizer(torch.optim.Adam(model.parameters(), amsgrad=True))
+
+
+def test_fp8_on_cpu_says_it_is_for_gpus():
+    from lightning_ampzero.config import Fp8Config
+    from lightning_ampzero.fp8.convert import fp8_device_note
+
+    note = fp8_device_note(Fp8Config(recipe="tensorwise"), torch.device("cpu"))
+    assert note is not None and "140x slower than bf16" in note and "compute capability 8.9+" in note
+    assert fp8_device_note(Fp8Config.off(), torch.device("cpu")) is None
+    assert fp8_device_note(Fp8Config(recipe="tensorwise"), torch.device("cuda", 0)) is None
