@@ -370,7 +370,7 @@ def estimate(
     * ``nvme``: what ``cpu`` puts in host memory goes to NVMe, except the gradient shard.
     * ``zero_init=False``: the model is built whole on the CPU of every process before sharding
       (built in ``__init__`` rather than ``configure_model()``, where Lightning builds it on the
-      device, and our stage 3 on the meta device): an fp32 copy (4Ψ) per process at start-up.
+      device, and our stage 3 partitioned as it is built): an fp32 copy (4Ψ) per process at start-up.
       The CPU figure is the larger of that and the steady state, times GPUs per node.
 
     ``additional_buffer_factor`` only affects DeepSpeed's figures (ours are not padded).
@@ -414,8 +414,9 @@ def estimate(
         else:
             cpu_rank, nvme_rank = FP32 * shard, host - FP32 * shard
     # A model built outside configure_model() (no zero_init) exists whole, in fp32, on the CPU of
-    # every process before it is moved and sharded; stage 3 refuses such a model (materialize.py).
-    init_rank = 0 if zero_init or stage == 3 else 4 * psi
+    # every process before it is moved and sharded, at stage 3 too (sharded after the fact, with a
+    # note: zero/materialize.py); inside configure_model() stage 3 builds it partitioned (zero/init.py).
+    init_rank = 0 if zero_init else 4 * psi
     cpu = gpus_per_node * max(cpu_rank, init_rank)
     nvme = gpus_per_node * nvme_rank
 
