@@ -99,12 +99,15 @@ def release_process_groups(timeout_s: float = RELEASE_TIMEOUT_S) -> None:
     destroy_process_group()
     group_type = dist.ProcessGroup
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
+        # type(), not isinstance(): isinstance reads obj.__class__ through the object's own
+        # __getattribute__, and torch.distributed.reduce_op warns on every attribute read.
+        cls = type(obj)
+        if issubclass(cls, DeviceMesh):
             # A dict of strings to groups is not tracked by the collector: clear it by its owner.
             registry = getattr(obj, "_pg_registry", {})
             groups.extend(registry.values())
             registry.clear()
-        elif isinstance(obj, DistributedDataParallel):
+        elif issubclass(cls, DistributedDataParallel):
             for name in ("reducer", "logger", "process_group"):  # the C++ reducer holds the group
                 obj.__dict__.pop(name, None)
         elif _held_by_us(obj):
