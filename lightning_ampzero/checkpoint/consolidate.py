@@ -31,6 +31,14 @@ _ST_DTYPE = {
 }
 
 
+def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype`` (known before any data is read)."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
 @dataclass(frozen=True)
 class Entry:
     name: str
@@ -39,10 +47,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return tensor_nbytes(self.shape, self.dtype)
 
 
 def parse_size(text: str | int | None) -> Optional[int]:

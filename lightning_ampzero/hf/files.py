@@ -22,13 +22,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from lightning_ampzero.checkpoint.consolidate import _ST_DTYPE, tensor_nbytes
+
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-_TORCH_DTYPE = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
+_TORCH_DTYPE = {code: dtype for dtype, code in _ST_DTYPE.items()}  # safetensors dtype code -> torch
 
 
 @dataclass(frozen=True)
@@ -39,10 +37,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return tensor_nbytes(self.shape, self.dtype)
 
 
 def read_header(path: Path) -> dict:
