@@ -301,17 +301,11 @@ class Watchdog:
         self.end()
 
 
-def _callback_base() -> type:
-    from lightning.pytorch.callbacks import Callback
-
-    return Callback
-
-
-class WatchdogCallback(_callback_base()):  # type: ignore[misc]
-    """Marks the training loop's phases on a :class:`Watchdog`; added to the Trainer by the strategy.
+class WatchdogHooks:
+    """Marks the training loop's phases on a :class:`Watchdog` (the hooks of :func:`watchdog_callback`).
 
     The marks are attribute writes on the main thread: the cost of the detector is its thread's
-    one store write a second (measured in benchmarks/, see the README).
+    one store write a second (benchmarks/bench_watchdog.py).
     """
 
     def __init__(self, watchdog: Watchdog) -> None:
@@ -342,7 +336,26 @@ class WatchdogCallback(_callback_base()):  # type: ignore[misc]
         self._mark(trainer, "checkpoint")
 
 
-def start_watchdog(trainer: Any, timeout_s: float) -> Optional[WatchdogCallback]:
+_CALLBACK_CLASSES: dict[type, type] = {}
+
+
+def watchdog_callback(trainer: Any, watchdog: Watchdog) -> WatchdogHooks:
+    """A Callback of ``trainer``'s Lightning (``lightning.pytorch`` or ``pytorch_lightning``) marking ``watchdog``.
+
+    Built on demand: this module is shared by both Lightnings and imports neither
+    ([Note: the pytorch_lightning copies] in _compat.py).
+    """
+    package = "pytorch_lightning" if type(trainer).__module__.startswith("pytorch_lightning") else "lightning.pytorch"
+    import importlib
+
+    base = importlib.import_module(f"{package}.callbacks").Callback
+    cls = _CALLBACK_CLASSES.get(base)
+    if cls is None:
+        cls = _CALLBACK_CLASSES[base] = type("WatchdogCallback", (WatchdogHooks, base), {})
+    return cls(watchdog)
+
+
+def start_watchdog(trainer: Any, timeout_s: float) -> Optional[WatchdogHooks]:
     """Start this rank's watchdog and add its callback to ``trainer`` (None: off, or nobody to wait for)."""
     import torch.distributed as dist
 
@@ -351,12 +364,12 @@ def start_watchdog(trainer: Any, timeout_s: float) -> Optional[WatchdogCallback]
     from torch.distributed.distributed_c10d import _get_default_store
 
     watchdog = Watchdog(_get_default_store(), dist.get_rank(), dist.get_world_size(), timeout_s).start()
-    callback = WatchdogCallback(watchdog)
+    callback = watchdog_callback(trainer, watchdog)
     trainer.callbacks.append(callback)
     return callback
 
 
-def stop_watchdog(trainer: Any, callback: Optional[WatchdogCallback]) -> None:
+def stop_watchdog(trainer: Any, callback: Optional[WatchdogHooks]) -> None:
     if callback is None:
         return
     callback.watchdog.stop()

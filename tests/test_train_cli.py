@@ -120,11 +120,15 @@ def test_offload_activation_checkpointing_and_fp8_run(tmp_path):
 
 def test_a_failing_rank_stops_the_job(tmp_path):
     """A rank that dies makes the job fail promptly with the rank named (the others are stopped)."""
+    # A corpus too short for one window fails in every rank (a missing file is caught before any
+    # process starts: test_hydra_config.py's machine checks).
+    corpus = tmp_path / "three_bytes.txt"
+    corpus.write_bytes(b"abc")
     start = time.monotonic()
-    proc = _run([*QUICK, f"data.path={tmp_path / 'missing.txt'}"], tmp_path, timeout=300)
+    proc = _run([*QUICK, "data=text_file", f"data.path={corpus}"], tmp_path, timeout=300)
     assert proc.returncode != 0
     assert "training process local rank" in proc.stderr and "the others were stopped" in proc.stderr
-    assert "missing.txt" in proc.stderr
+    assert "3 tokens are too few" in proc.stderr + proc.stdout
     assert time.monotonic() - start < 240
 
 

@@ -1,0 +1,93 @@
+"""What the hang detector costs a training step (a benchmark, not a test).
+
+The same fit of the package's small GPT on 2 CPU processes (ZeRO stage 2) with the watchdog off
+(``watchdog_s=0``) and on (the default), alternated off/on/off/on... in the same processes so
+that both see the same machine load; the median step time of each fit after warm-up, and the
+ratio of the on and off medians (the issue's target: under 2% slower).
+
+Usage::
+
+    python benchmarks/bench_watchdog.py [--rounds 3] [--steps 60] [--layers 4] [--width 256]
+
+Writes ``benchmarks/results/watchdog_cpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+import lightning.pytorch as pl
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+from parity import PatternData  # noqa: E402
+
+from lightning_ampzero.models.gpt import GPTConfig, GPTModule  # noqa: E402
+from lightning_ampzero.process import run_and_exit  # noqa: E402
+from lightning_ampzero.strategy import AmpZeroStrategy  # noqa: E402
+
+WARMUP = 10
+
+
+class StepTimer(pl.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, *args) -> None:  # type: ignore[no-untyped-def]
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args) -> None:  # type: ignore[no-untyped-def]
+        self.times.append(time.perf_counter() - self._start)
+
+
+def fit(watchdog_s: float, args: argparse.Namespace) -> float:
+    pl.seed_everything(0, verbose=False)
+    model = GPTModule(GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=4, block_size=64, vocab_size=256),
+                      lr=1e-3)
+    timer = StepTimer()
+    trainer = pl.Trainer(strategy=AmpZeroStrategy(stage=2, watchdog_s=watchdog_s), accelerator="cpu", devices=2,
+                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[timer])
+    trainer.fit(model, DataLoader(PatternData(args.steps * 8, 64, 256, seed=1), batch_size=4))
+    return statistics.median(timer.times[WARMUP:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    off, on = [], []
+    for _ in range(args.rounds):
+        off.append(fit(0.0, args))
+        on.append(fit(300.0, args))
+    if dist.get_rank() == 0:
+        result = {
+            "step_ms_off": [round(t * 1e3, 3) for t in off], "step_ms_on": [round(t * 1e3, 3) for t in on],
+            "median_ms_off": round(statistics.median(off) * 1e3, 3), "median_ms_on": round(statistics.median(on) * 1e3, 3),
+            "ratio_on_off": round(statistics.median(on) / statistics.median(off), 4),
+            "config": vars(args),
+        }
+        out = ROOT / "benchmarks" / "results" / "watchdog_cpu.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    run_and_exit(main)
