@@ -74,7 +74,7 @@ def save_sharded(
     staging = incomplete_path(path)
     need = _checkpoint_bytes(state) + _METADATA_ALLOWANCE
     free = _free_bytes(staging)
-    if _any_rank(free < need):
+    if _max_over_ranks(int(free < need)):
         raise CheckpointSaveError(
             f"Not enough disk space to save the checkpoint {path}: it needs about {format_bytes(need)} and"
             f" {format_bytes(free)} is free on this rank's filesystem (a rank's may be less). Nothing was written"
@@ -93,18 +93,23 @@ def save_sharded(
             torch.save(metadata, staging / METADATA_FILE)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must hear of it before anyone moves on
         failure = e  # (DCP raises CheckpointException, a BaseException, for a write that failed on any rank)
-    if _any_rank(failure is not None):
-        # Measured before the cleanup frees it again. torch's writer reports a full disk as
-        # "unexpected pos ..." rather than ENOSPC, so a failed write with less room left than the
-        # checkpoint needs is read as the full disk it almost surely is.
-        free_at_failure = _free_bytes(staging)
+    # Each rank reads its own evidence before the collective (after it, rank 0's cleanup frees the
+    # space again), and the verdict is shared: the exception DCP hands the other ranks was pickled,
+    # which drops the OSError(ENOSPC) it was raised from. torch's writer reports a full disk as
+    # "unexpected pos ..." rather than ENOSPC, so a failed write with less room left than the
+    # checkpoint needs is read as the full disk it almost surely is.
+    free_at_failure = _free_bytes(staging) if failure is not None else free
+    no_space = failure is not None and (_no_space(failure) or free_at_failure < need)
+    verdict = _max_over_ranks(2 if no_space else 1 if failure is not None else 0)
+    if verdict:
         if is_global_zero and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
         barrier()
         cause = f"{type(failure).__name__}: {failure}" if failure is not None else "another rank failed to write"
-        if failure is not None and (_no_space(failure) or free_at_failure < need):
-            cause = (f"no space left on the device ({format_bytes(free_at_failure)} was free when it failed;"
-                     f" the checkpoint needs about {format_bytes(need)}; the writer said: {_first_line(failure)})")
+        if verdict == 2:
+            said = f"; the writer said: {_first_line(failure)}" if failure is not None else ""
+            cause = (f"no space left on the device ({format_bytes(free_at_failure)} was free on this rank when it"
+                     f" failed; the checkpoint needs about {format_bytes(need)}{said})")
         raise CheckpointSaveError(
             f"Saving the checkpoint {path} failed: {cause}. The partial save was removed{_kept(path)}."
         ) from failure
@@ -142,15 +147,15 @@ def _checkpoint_bytes(state: Any) -> int:
     return sharded + replicated
 
 
-def _any_rank(flag: bool) -> bool:
-    """Whether ``flag`` holds on any rank (every rank must call it; no process group: this rank's)."""
+def _max_over_ranks(value: int) -> int:
+    """The largest ``value`` over ranks (every rank must call it; no process group: this rank's)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item() > 0)
+        return value
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def _free_bytes(path: Path) -> int:
