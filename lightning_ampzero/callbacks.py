@@ -5,7 +5,10 @@ the stage and ZeRO settings of ``AmpZeroStrategy``. On every rank it measures
 
 * model states with :func:`lightning_ampzero.memory.measure_model_state` (storages of
   parameters, gathered parameters, gradients and optimizer states; peak per category and peak
-  of the total), sampled after each backward and each optimizer step;
+  of the total), sampled after each backward and each optimizer step and, under FSDP2 (stages
+  1-3), inside its hooks where the transient working set peaks: after each unit's pre-forward
+  and pre-backward (the unit and its prefetched successor gathered) and just before each
+  post-backward (the unit's unsharded gradients not yet reduce-scattered);
 * activations: bytes of the tensors one micro-batch's forward saved for backward (parameters
   excluded, each storage once), on the second micro-batch of training;
 * peak resident memory of the process (``ru_maxrss``).
@@ -35,7 +38,7 @@ from lightning_ampzero.estimate import (
     format_bytes,
     model_size,
 )
-from lightning_ampzero.memory import as_zero_categories, measure_model_state
+from lightning_ampzero.memory import as_zero_categories, fsdp_param_groups, measure_model_state, unsharded_grad_bytes
 
 __all__ = ["MemoryReport"]
 
@@ -114,19 +117,55 @@ class MemoryReport(Callback):
         self._activations: Optional[int] = None
         self._saved: Optional[_SavedBytes] = None
         self._last_logged = -1
+        self._hooked: list[Any] = []
 
     # -- measuring ---------------------------------------------------------------------
     def _sample(self, trainer: Any, pl_module: nn.Module) -> None:
         m = measure_model_state(pl_module, trainer.optimizers)
+        self._peak_total = max(self._peak_total, sum(m.values()))
+        # The estimate's stage-3 working set is what a unit holds while it runs: its gathered
+        # parameters and its unsharded gradients, in the same sample (separate peaks would not add up).
+        unsharded = unsharded_grad_bytes(pl_module)
+        m.update(grads_sharded=m["grads"] - unsharded, grads_unsharded=unsharded,
+                 working=m["params_gathered"] + unsharded)
         for k, v in m.items():
             self._peak[k] = max(self._peak.get(k, 0), v)
-        self._peak_total = max(self._peak_total, sum(m.values()))
 
     def _sampling(self, trainer: Any) -> bool:
         step = trainer.global_step
         return step < _SAMPLE_FIRST_STEPS or (self.log_every_n_steps > 0 and step % self.log_every_n_steps == 0)
 
+    def _hook_fsdp(self, trainer: Any, pl_module: nn.Module) -> None:
+        """Sample inside FSDP2's unit hooks for this step (the estimate's working set exists only there).
+
+        Wraps the bound methods on each param group instance (FSDP2 calls them by attribute), so
+        only this model is affected, and only on sampled steps: a sample walks every parameter.
+        """
+        for group in fsdp_param_groups(pl_module):
+            for name, after in (("pre_forward", True), ("pre_backward", True), ("post_backward", False)):
+                setattr(group, name, self._sampling_wrapper(getattr(type(group), name).__get__(group), after,
+                                                            trainer, pl_module))
+            self._hooked.append(group)
+
+    def _sampling_wrapper(self, fn: Any, after: bool, trainer: Any, pl_module: nn.Module) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if not after:
+                self._sample(trainer, pl_module)
+            out = fn(*args, **kwargs)
+            if after:
+                self._sample(trainer, pl_module)
+            return out
+        return wrapped
+
+    def _unhook_fsdp(self) -> None:
+        for group in self._hooked:
+            for name in ("pre_forward", "pre_backward", "post_backward"):
+                group.__dict__.pop(name, None)  # the class's method again
+        self._hooked = []
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._sampling(trainer) and not self._hooked:
+            self._hook_fsdp(trainer, pl_module)
         if batch_idx == 1 and self._activations is None:
             self._saved = _SavedBytes().__enter__()
 
@@ -145,6 +184,7 @@ class MemoryReport(Callback):
             self._sample(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._unhook_fsdp()
         if self._saved is not None:  # the step had no backward (manual optimization without one)
             self._saved.__exit__(None, None, None)
             self._saved = None
@@ -157,7 +197,11 @@ class MemoryReport(Callback):
             self._last_logged = step
             self._log(trainer, pl_module, step)
 
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._unhook_fsdp()
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._unhook_fsdp()
         if self._saved is not None:
             self._saved.__exit__(None, None, None)
             self._saved = None
@@ -181,14 +225,19 @@ class MemoryReport(Callback):
     def _local(self, trainer: Any) -> list[float]:
         stage = _stage(trainer)
         cats = as_zero_categories(self._peak, stage) if self._peak else None
-        params = float(cats.params if cats else 0)
+        params, grads = float(cats.params if cats else 0), float(cats.grads if cats else 0)
         working = 0.0
+        if stage == 2 and self._peak:
+            # Stage 2: gradients are shards; a reduction group's unsharded gradients, until its
+            # reduce-scatter, are the working set, as in the estimate.
+            grads, working = float(self._peak.get("grads_sharded", 0)), float(self._peak.get("grads_unsharded", 0))
         if stage == 3 and self._peak:
-            # Stage 3: the formula's parameters are the shards; units gathered at a sample
-            # (persistent small units, the unit in use) are the working set, as in the estimate.
-            params, working = float(self._peak.get("params_sharded", 0)), float(self._peak.get("params_gathered", 0))
+            # Stage 3: the formula's parameters and gradients are the shards; what the units held
+            # gathered and unsharded at a sample is the working set, as in the estimate.
+            params, working = float(self._peak.get("params_sharded", 0)), float(self._peak.get("working", 0))
+            grads = float(self._peak.get("grads_sharded", 0))
         return [
-            params, float(cats.grads if cats else 0),
+            params, grads,
             float(cats.optimizer if cats else 0), working, float(self._peak_total),
             float(self._activations if self._activations is not None else -1), float(_peak_rss_bytes()),
         ]
@@ -268,7 +317,9 @@ def render_memory_report(report: dict[str, Any], console: Any = None) -> None:
         if not console.is_terminal:  # logs and CI: rich would squeeze the table into 80 columns
             console = Console(width=140)
     title = f"memory per rank, ZeRO stage {report['stage']}, {report['world_size']} ranks (measured peaks)"
-    table = Table(title=title, title_justify="left")
+    caption = ("model states: the largest total at one moment; the categories peak at different moments, so it can"
+               " be below their sum, which the estimate gives")
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     for col in ("rank", "params", "grads", "optimizer", "working set", "model states", "activations", "peak RSS"):
         table.add_column(col, justify="right")
     for r in report["per_rank"]:

@@ -25,7 +25,7 @@ the shard is the only copy. Low-precision variants change the byte counts per el
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -94,17 +94,21 @@ class _Storages:
         return s.nbytes()
 
 
-def _fsdp_params(module: nn.Module) -> list:
+def fsdp_param_groups(module: nn.Module) -> list:
+    """FSDP2's parameter groups (one per ``fully_shard`` unit) under ``module``, each once."""
     from torch.distributed.fsdp import FSDPModule
 
-    out, groups = [], set()
+    groups: dict[int, Any] = {}
     for m in module.modules():
         if isinstance(m, FSDPModule):
             group = m._get_fsdp_state()._fsdp_param_group
-            if group is not None and id(group) not in groups:
-                groups.add(id(group))
-                out.extend(group.fsdp_params)
-    return out
+            if group is not None:
+                groups.setdefault(id(group), group)
+    return list(groups.values())
+
+
+def _fsdp_params(module: nn.Module) -> list:
+    return [fp for group in fsdp_param_groups(module) for fp in group.fsdp_params]
 
 
 def measure_model_state(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
@@ -141,6 +145,21 @@ def measure_model_state(module: nn.Module, optimizers: Iterable[torch.optim.Opti
             for v in state.values():
                 opt_bytes += seen.add(v)
     return {"params_sharded": sharded, "params_gathered": gathered, "grads": grads, "optimizer": opt_bytes}
+
+
+def unsharded_grad_bytes(module: nn.Module) -> int:
+    """Bytes of FSDP2's unsharded gradients held now (a unit's, between its backward and its reduce-scatter).
+
+    Part of ``measure_model_state``'s ``grads``; the estimate counts them in the working set.
+    """
+    seen = _Storages()
+    total = 0
+    for fp in _fsdp_params(module):
+        total += seen.add(getattr(fp, "unsharded_accumulated_grad", None))
+        unsharded = getattr(fp, "_unsharded_param", None)
+        if unsharded is not None:
+            total += seen.add(unsharded.grad)
+    return total
 
 
 def as_zero_categories(measured: dict[str, int], stage: int) -> ModelStateBytes:

@@ -75,9 +75,10 @@ def test_multirun_runs_each_job_with_two_processes_in_its_own_dir(tmp_path):
         assert mem["per_rank"][0]["optimizer"] == pytest.approx(mem["estimate"]["gpu_optimizer"], rel=0.05)
     assert s1["memory"]["per_rank"][0]["optimizer"] == pytest.approx(1.5 * s3["memory"]["per_rank"][0]["optimizer"], rel=0.05)
     assert s3["memory"]["per_rank"][0]["params"] == pytest.approx(s3["memory"]["estimate"]["gpu_params"], rel=0.05)
-    # the gathered working set (here: units under the persistence threshold stay gathered) is
-    # measured and bounded by the estimate's
-    assert 0 < s3["memory"]["per_rank"][0]["working"] <= 1.05 * s3["memory"]["estimate"]["gpu_working"]
+    # the working set (gathered units and a unit's unsharded gradients, sampled inside FSDP2's
+    # hooks) is measured as the estimate counts it, and the gradient column holds only the shards
+    assert s3["memory"]["per_rank"][0]["working"] == pytest.approx(s3["memory"]["estimate"]["gpu_working"], rel=0.1)
+    assert s3["memory"]["per_rank"][0]["grads"] == pytest.approx(s3["memory"]["estimate"]["gpu_grads"], rel=0.05)
     # stage 1 holds the gathered parameters from forward to the end of backward (sampled then)
     assert s1["memory"]["per_rank"][0]["params"] == pytest.approx(s1["memory"]["estimate"]["gpu_params"], rel=0.05)
     assert "memory per rank" in proc.stdout
@@ -148,6 +149,7 @@ def test_default_run_trains_the_shipped_corpus_in_about_two_minutes(tmp_path):
     assert summary["val_loss"] < 3.0
     mem = summary["memory"]
     assert mem["per_rank"][0]["grads"] == pytest.approx(mem["estimate"]["gpu_grads"], rel=0.05)
+    assert mem["per_rank"][0]["working"] == pytest.approx(mem["estimate"]["gpu_working"], rel=0.1)
     for text in ("ampzero-train summary", "train loss", "tokens/s", "memory per rank", "checkpoint"):
         assert text in proc.stdout
     assert elapsed < 300, f"the default run took {elapsed:.0f} s"
