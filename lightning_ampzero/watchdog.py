@@ -31,6 +31,17 @@ seconds, each printing its report; the rank that is behind but alive reports its
 ``watchdog_s`` above the longest phase a rank can spend alone (a checkpoint save, a validation
 epoch: the loop marks each batch), and below the process-group timeout (``ZeroConfig`` checks).
 
+A rank that goes away (killed, e.g. by the OOM killer, or ended by an error) is seen by its peers
+within a second or two, as a transport error in their next collective that names a host:port
+("Connection reset by peer"). The callback's ``on_exception`` then names the rank: a rank that
+ended on an error of its own first publishes it (its record's phase becomes ``exited:error`` with
+the error's first line), and a peer that gets a transport error reads every rank's record twice,
+a beat and a half apart (:meth:`Watchdog.explain_lost_peer`): ranks that stopped beating are gone,
+ranks that published an error say which. The message is printed and added to the exception as a
+note, so it is in the traceback the user reads. (Lightning's launcher checks its child processes
+every 5 s and kills the whole run when one has ended: a report that needs the beat and a half may
+be cut short on the rank that hosts the launcher.)
+
 The process group's own timeout stays as the last resort: it is what ends a collective stuck in a
 process whose watchdog is itself stuck.
 """
@@ -38,6 +49,7 @@ process whose watchdog is itself stuck.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -49,7 +61,13 @@ HANG_EXIT_CODE = 75
 
 _PREFIX = "ampzero/watchdog/"
 _EXITED = "exited:"
+_ERROR = _EXITED + "error"
 _VERDICT = "verdict"
+
+#: What transports say when the peer at the other end of a collective has gone (gloo, NCCL, TCPStore).
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "pair closure",
+              "remote process exited", "Connection refused", "NCCL communicator was aborted",
+              "ncclRemoteError", "Socket Timeout", "recvValue failed", "failed to recv")
 
 #: What each phase waits in when it blocks (for the message).
 WAITS_IN = {
@@ -94,6 +112,8 @@ class Record:
         return cls(int(beat), int(step), phase, waiting)
 
     def describe(self) -> str:
+        if self.phase == _ERROR:
+            return f"step {self.step}, ended by an error of its own: {self.waiting}"
         where = f"step {self.step}, {self.phase.removeprefix(_EXITED)}"
         where = f"{where}, blocked in {self.waiting}" if self.waiting else f"{where}, in no collective"
         return f"{where} (since ended by its watchdog)" if self.exited else where
@@ -136,6 +156,37 @@ def diagnose(rank: int, before: dict[int, Record], after: dict[int, Record]) -> 
     lines.append("Ending this process; every live rank does the same. Raise ZeroConfig.watchdog_s if a phase"
                  " legitimately takes longer, or 0 to turn the watchdog off.")
     return "\n".join(lines)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def is_peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` is a transport's report that the rank at the other end of a collective has gone."""
+    seen = 0
+    while error is not None and seen < 8:
+        if any(marker in str(error) for marker in _PEER_LOST):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def _process_state(pid: int) -> str:
+    """"running", or how process ``pid`` (on this host) is not: "is gone", "has exited", "is stopped"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]  # the name in parentheses may hold spaces
+    except FileNotFoundError:
+        return "is gone (its process no longer exists)"
+    except OSError:
+        return "running"  # no /proc (not Linux): the beats decide
+    if state in ("Z", "X"):
+        return "has exited (its process is a zombie, not yet reaped by its launcher)"
+    if state in ("T", "t"):
+        return "is stopped (SIGSTOP or a debugger)"
+    return "running"
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -208,6 +259,7 @@ class Watchdog:
         self._moved = time.monotonic()
 
     def start(self) -> "Watchdog":
+        self.store.set(self._id_key(self.rank), f"{socket.gethostname()}|{os.getpid()}")
         self._publish()  # every rank's key exists before anyone reads it
         self._thread = threading.Thread(target=self._run, name="ampzero-watchdog", daemon=True)
         self._thread.start()
@@ -300,6 +352,73 @@ class Watchdog:
         self.report(message)
         self.end()
 
+    def publish_error(self, error: BaseException) -> None:
+        """This rank is ending on ``error`` (its own): say so in its record, for the peers' reports."""
+        text = " ".join(_first_line(error).split())[:200]
+        self.stop()  # the thread must not overwrite the record with a beat
+        self._beat += 1
+        self.store.set(self._key(self.rank), Record(self._beat, self.step, _ERROR, text).encode())
+
+    def explain_lost_peer(self) -> str:
+        """Name the rank(s) whose loss broke this rank's collective (main thread, after the transport error).
+
+        A peer on this host is checked at once by its process id (gone, a zombie, or stopped); when
+        none is, every record is read twice a beat and a half apart (those that are gone stopped
+        beating; this rank's thread keeps beating meanwhile). A peer that ended on its own error
+        said so in its record. Quick matters: Lightning's launcher kills the whole run within 5 s
+        of a child's end.
+        """
+        head = f"ampzero watchdog (rank {self.rank}): a collective failed in step {self.step}, {self.phase}, because a peer"
+        try:
+            before = self._read()
+            pids = self._local_peers()
+            gone = {r: state for r, pid in pids.items() if (state := _process_state(pid)) != "running"}
+            after = before
+            # (a killed process closes its sockets before its state changes: look again, unless a
+            # peer has already said it ended on an error)
+            if not gone and not any(rec.phase == _ERROR for rec in before.values()):
+                time.sleep(1.5 * self.poll_s)
+                after = self._read()
+                gone = {r: state for r, pid in pids.items() if (state := _process_state(pid)) != "running"}
+                gone.update({r: "not responding" for r in after if r != self.rank and r not in gone and r in before
+                             and after[r].beat == before[r].beat and not after[r].exited})
+        except Exception:  # noqa: BLE001 - the store is hosted by rank 0
+            if self.rank == 0:
+                return f"{head} went away, and this rank's own store could not be read."
+            return (f"{head} went away: rank 0 (which hosts the process group's store) has ended, killed or by an"
+                    " error; its log, or the system log for the OOM killer (dmesg), says why.")
+        failed = sorted(r for r, rec in after.items() if rec.phase == _ERROR)
+        gone = {r: state for r, state in gone.items() if r not in failed}
+        gone.update({r: "never started" for r in range(self.world_size) if r not in after})
+        lines = [f"{head} went away."]
+        for r in failed:
+            lines.append(f"Rank {r} ended on an error of its own in step {after[r].step}: {after[r].waiting} (its"
+                         " traceback is in its own output).")
+        if gone:
+            lines.append("; ".join(f"Rank {r} {state}" + (f", last seen in {after[r].describe()}" if r in after else "")
+                                   for r, state in sorted(gone.items()))
+                         + ". Killed (e.g. by the OOM killer) or crashed outside Python: its log, or the system log"
+                         " (dmesg), says why.")
+        if not failed and not gone:
+            lines.append("Every other rank still responds: the connection itself failed (the network, or a peer"
+                         " process outside this run).")
+        lines.append("The transport's error names a host:port; the ranks above are where to look.")
+        return "\n".join(lines)
+
+    def _local_peers(self) -> dict[int, int]:
+        """Process ids of the other ranks on this host (from their identity keys)."""
+        host = socket.gethostname()
+        out = {}
+        for r in range(self.world_size):
+            if r != self.rank and self.store.check([self._id_key(r)]):
+                peer_host, pid = self.store.get(self._id_key(r)).decode().rsplit("|", 1)
+                if peer_host == host:
+                    out[r] = int(pid)
+        return out
+
+    def _id_key(self, rank: int) -> str:
+        return f"{self.prefix}id/{rank}"
+
 
 class WatchdogHooks:
     """Marks the training loop's phases on a :class:`Watchdog` (the hooks of :func:`watchdog_callback`).
@@ -334,6 +453,21 @@ class WatchdogHooks:
 
     def on_save_checkpoint(self, trainer: Any, *args: Any) -> None:
         self._mark(trainer, "checkpoint")
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Name the rank a transport error is about, or tell the peers of this rank's own error."""
+        if isinstance(exception, KeyboardInterrupt):
+            return
+        try:
+            if is_peer_lost(exception):
+                message = self.watchdog.explain_lost_peer()
+                _print_report(message)
+                if hasattr(exception, "add_note"):  # Python 3.11+: shown in the traceback itself
+                    exception.add_note(message)
+            else:
+                self.watchdog.publish_error(exception)
+        except Exception:  # noqa: BLE001 - the user's exception is what propagates, whatever happens here
+            pass
 
 
 _CALLBACK_CLASSES: dict[type, type] = {}

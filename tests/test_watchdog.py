@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -108,14 +111,89 @@ def test_progress_keeps_the_watchdog_quiet_and_a_stop_ends_it_within_the_watchdo
 
 
 # ---------------------------------------------------------------------------------------
+# A rank that went away: the transport's error names a host:port, the watchdog the rank
+# ---------------------------------------------------------------------------------------
+
+def test_transport_errors_that_mean_a_lost_peer():
+    from lightning_ampzero.watchdog import is_peer_lost
+
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:29106: Connection reset by peer.")
+    assert is_peer_lost(gloo)
+    try:
+        try:
+            raise gloo
+        except RuntimeError as inner:
+            raise ValueError("wrapped by a library") from inner
+    except ValueError as outer:
+        assert is_peer_lost(outer)  # found through the chain
+    assert not is_peer_lost(ValueError("a bad batch"))
+
+
+def _identify(store, dogs, hosts_pids):
+    """Give each watchdog of a DictStore fleet the host and process id ``hosts_pids[rank]``."""
+    for d in dogs:
+        host, pid = hosts_pids[d.rank]
+        store.set(d._id_key(d.rank), f"{host}|{pid}")
+
+
+def test_a_peer_that_ended_on_its_own_error_is_named_with_it():
+    import socket
+
+    store = DictStore()
+    dogs, _ = _fleet(store, 3, timeout_s=60)
+    _identify(store, dogs, {r: (socket.gethostname(), os.getpid()) for r in range(3)})
+    dogs[2].mark(5, "training_step")
+    dogs[2].publish_error(ValueError("a bad batch on rank 2\nmore detail"))
+    dogs[0].mark(5, "backward")
+    message = dogs[0].explain_lost_peer()
+    for d in dogs:
+        d.stop()
+    assert "a collective failed in step 5, backward, because a peer went away" in message
+    assert "Rank 2 ended on an error of its own in step 5: ValueError: a bad batch on rank 2 (its traceback" in message
+    assert "Rank 1" not in message  # it responds
+
+
+def test_a_killed_peer_on_this_host_is_seen_at_once_and_one_elsewhere_by_its_beats():
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: its process id no longer exists
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    while _state(zombie.pid) != "Z":
+        time.sleep(0.01)
+    store = DictStore()
+    dogs, _ = _fleet(store, 4, timeout_s=60)
+    here = socket.gethostname()
+    _identify(store, dogs, {0: (here, os.getpid()), 1: (here, dead.pid), 2: (here, zombie.pid), 3: ("elsewhere", 1)})
+    start = time.monotonic()
+    message = dogs[0].explain_lost_peer()
+    assert time.monotonic() - start < 0.05  # a local peer is gone: no beats to wait for
+    assert "Rank 1 is gone (its process no longer exists)" in message
+    assert "Rank 2 has exited (its process is a zombie" in message
+    zombie.wait()
+    # Only a remote peer is in question: its beats decide (rank 3 stops beating, like a killed one).
+    _identify(store, dogs, {0: (here, os.getpid()), 1: (here, os.getpid()), 2: (here, os.getpid()),
+                            3: ("elsewhere", 1)})
+    dogs[3]._stop.set()
+    time.sleep(0.1)
+    message = dogs[0].explain_lost_peer()
+    for d in dogs:
+        d.stop()
+    assert "Rank 3 not responding, last seen in step 0, setup" in message
+    assert "Rank 1" not in message and "Rank 2" not in message
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+# ---------------------------------------------------------------------------------------
 # A user's Trainer script: a rank stopped or stuck mid-step ends the run on every live rank
 # ---------------------------------------------------------------------------------------
 
-import os  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -159,6 +237,40 @@ def test_a_stopped_or_stuck_rank_ends_the_run_naming_it(tmp_path, devices, mode)
             assert f"rank {culprit} is in step 3, training_step, in no collective" in report
     if mode == "stuck":
         assert f"This rank ({culprit}) is one of them" in out  # the stuck rank reports itself, and ends
+
+
+@pytest.mark.parametrize(("devices", "mode"), [(2, "kill"), (3, "kill"), (2, "raise")])
+def test_a_rank_that_went_away_is_named_by_every_live_rank(tmp_path, devices, mode):
+    """A plain Trainer script: rank ``devices - 1`` is killed (SIGKILL) or raises in step 3. Its peers
+    get gloo's "Connection reset/closed by peer [host]:port" at once; each names the rank, in the
+    traceback too (a note on the exception), before Lightning's launcher ends the run."""
+    pids, log = tmp_path / "pid", tmp_path / "out.txt"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, str(SCRIPTS / "hang.py"), str(devices), mode, "60", str(pids)],
+                                env=script_env({"OMP_NUM_THREADS": "1"}), stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=240)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # anything left (Lightning's launcher usually took all)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    out = log.read_text()
+    culprit = devices - 1
+    assert re.search(rf"rank {culprit}: {mode} at ", out), out[-3000:]
+    assert proc.returncode != 0
+    for rank in range(devices - 1):
+        head = f"ampzero watchdog (rank {rank}): a collective failed in step 3, training_step, because a peer went away."
+        assert head in out, out[-3000:]
+        report = out[out.index(head):]
+        if mode == "kill":
+            assert re.search(rf"Rank {culprit} (is gone|has exited) \(its process", report), report[:1000]
+        else:
+            assert f"Rank {culprit} ended on an error of its own in step 3: ValueError: a bad batch on rank {culprit}" \
+                in report
+        assert f"[rank{rank}]: {head}" in out  # the note, in the traceback Lightning prints
 
 
 def test_a_culprit_that_already_ended_on_its_own_watchdog_is_still_named():

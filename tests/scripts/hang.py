@@ -1,10 +1,10 @@
 """A user's Trainer script in which one rank stops or gets stuck mid-run (for the hang detector).
 
-    python tests/scripts/hang.py <devices> <mode: stop|stuck> <watchdog_s> <pid file>
+    python tests/scripts/hang.py <devices> <mode: stop|stuck|kill|raise> <watchdog_s> <pid file>
 
-Rank ``devices - 1`` stops itself (SIGSTOP) or sleeps before its forward at step 3; the others go
-on into the step's collectives and wait there. Each rank writes its pid to ``<pid file>.<rank>`` so
-the test can clean up a stopped process.
+Rank ``devices - 1`` stops itself (SIGSTOP), sleeps, is killed (SIGKILL) or raises an error
+before its forward at step 3; the others go on into the step's collectives and wait there. Each
+rank writes its pid to ``<pid file>.<rank>`` so the test can clean up a stopped process.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ class Module(GPTModule):
             print(f"rank {self.global_rank}: {MODE} at {time.time():.3f}", flush=True)
             if MODE == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif MODE == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif MODE == "raise":
+                raise ValueError(f"a bad batch on rank {self.global_rank}")
             else:
                 time.sleep(3600)
         return super().training_step(batch, batch_idx)
