@@ -112,9 +112,14 @@ def scaled_mm(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Tensor, ou
     """``(a * a_inv_scale) @ (b * b_inv_scale)`` for FP8 ``a`` [M, K] (row-major) and ``b`` [K, N] (column-major).
 
     Scales are dequantization scales (``1 / scale``): fp32, 0-dim (tensor-wise) or [M, 1] and
-    [1, N] (row-wise). Accumulation is fp32.
+    [1, N] (row-wise). Accumulation is fp32. Row-wise results are rounded to bf16 on every path
+    (CUDA's row-wise kernel has no other output), then converted to ``out_dtype``.
     """
     rowwise = a_inv_scale.numel() > 1 or b_inv_scale.numel() > 1
+    if rowwise and out_dtype != torch.bfloat16:
+        # CUDA's row-wise FP8 GEMM writes bf16 only. Every device and the emulation round through
+        # bf16 the same way, so that CPU runs (and tests) compute what a GPU computes.
+        return scaled_mm(a, b, a_inv_scale, b_inv_scale, torch.bfloat16, emulate=emulate).to(out_dtype)
     if emulate or not fp8_gemm_supported(a.device):
         out = (a.float() * a_inv_scale.float()) @ (b.float() * b_inv_scale.float())
         return out.to(out_dtype)
@@ -122,9 +127,6 @@ def scaled_mm(a: Tensor, b: Tensor, a_inv_scale: Tensor, b_inv_scale: Tensor, ou
         # Strides exactly (1, 1) / (N, 1): _scaled_mm checks them literally.
         a_inv_scale = a_inv_scale.float().reshape(-1).clone().reshape(-1, 1)
         b_inv_scale = b_inv_scale.float().reshape(-1).clone().reshape(1, -1)
-        if a.is_cuda and out_dtype != torch.bfloat16:
-            # CUDA's row-wise FP8 GEMM writes bf16 only.
-            return torch._scaled_mm(a, b, a_inv_scale, b_inv_scale, out_dtype=torch.bfloat16).to(out_dtype)
     else:
         a_inv_scale, b_inv_scale = a_inv_scale.reshape(()), b_inv_scale.reshape(())
     return torch._scaled_mm(a, b, a_inv_scale.float(), b_inv_scale.float(), out_dtype=out_dtype)

@@ -1,7 +1,9 @@
 """The torch path of the FP8 kernels: the reference numerics, used on CPU and wherever Triton is not.
 
 Every function here has a Triton twin in ``_triton.py`` with the same contract; the two must
-agree bit for bit (see [Note: FP8 cast numerics] in ``__init__.py``).
+agree bit for bit (see [Note: FP8 cast numerics] and [Note: FP8 NaN propagation] in
+``_triton.py``). Outputs are row-major whatever the input's strides, as the Triton kernels write
+them: ``torch._scaled_mm`` on CUDA takes its first operand row-major only.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def cast(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Optional[Te
     delayed recipe records the amax of the tensor it casts with a scale from history.
     """
     fmax = FP8_MAX[fp8_dtype]
-    q = (x.float() * scale.float()).clamp_(-fmax, fmax).to(fp8_dtype)
+    # Elementwise ops keep a transposed input's strides; the conversion writes row-major instead
+    # (no extra pass), so a cast of a transposed view can be ``_scaled_mm``'s row-major operand.
+    q = (x.float() * scale.float()).clamp_(-fmax, fmax).to(fp8_dtype, memory_format=torch.contiguous_format)
     if amax_out is not None:
         torch.maximum(amax_out, amax(x).reshape(amax_out.shape), out=amax_out)
     return q
@@ -52,6 +56,8 @@ def cast_rowwise(x: Tensor, fp8_dtype: torch.dtype, dim: int = -1) -> tuple[Tens
     ``dim=-1``: one scale per row (shape [M, 1]); ``dim=0``: one per column (shape [1, N]).
     Returns ``(q, scale)`` with ``q = cast(x * scale)``.
     """
-    a = x.abs().amax(dim=dim, keepdim=True).float()
-    scale = FP8_MAX[fp8_dtype] / a.clamp(min=EPS)
+    a = x.abs().amax(dim=dim, keepdim=True).float().clamp_(min=EPS)
+    # One correctly rounded division, as the Triton kernel's div_rn: ``FP8_MAX / a`` would be
+    # ``a.reciprocal() * FP8_MAX`` (torch's __rtruediv__), one ulp off in about a quarter of rows.
+    scale = torch.full_like(a, FP8_MAX[fp8_dtype]).div_(a)
     return cast(x, scale, fp8_dtype), scale

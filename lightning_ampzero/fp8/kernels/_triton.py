@@ -1,8 +1,11 @@
 """Triton kernels for the memory-bound parts of FP8 training on CUDA (compute capability 8.9+).
 
-Not executed on CPU (Triton has no CPU backend, and the interpreter gives wrong FP8 results);
-``tests/test_fp8_kernels.py`` compiles every kernel for sm_90 ahead of time, and the GPU test
-in the same file compares them with the torch path when a GPU is present.
+Triton has no CPU backend. Without a GPU they are checked two ways: ``tests/test_fp8_kernels.py``
+compiles every kernel for sm_90 ahead of time (and reads the FP8 conversions in the PTX), and
+``tests/test_fp8_interpreter.py`` runs every kernel under Triton's interpreter against the torch
+path bit for bit, with the interpreter's own fp32 -> fp8 conversion (wrong: no ties-to-even,
+subnormals flushed) replaced by torch's (see the docstring of
+``tests/scripts/fp8_interpreter.py``). On a GPU, the same file's GPU test compares them again.
 
 Each kernel reads the high-precision tensor once: the amax and the cast are fused
 (``_cast_kernel`` with ``WITH_AMAX``: the delayed recipe's cast-and-record), the cast and the
@@ -13,9 +16,24 @@ read), and row-wise scaling computes each row's amax and casts it in one program
 contraction can change its rounding), clamped to the format's max, then converted with
 ``cvt.rn.satfinite`` (round to nearest even, saturating): exactly the torch path's
 ``(x.float() * scale).clamp(-max, max).to(fp8)``. Per-tensor scales are computed by torch on
-both paths; row-wise scales in the kernel use ``div_rn`` (IEEE division, as torch's ``/``), not
-Triton's default approximate fp32 division. NaN inputs are the one difference left:
-``tl.clamp`` does not propagate NaN, torch's clamp does (a NaN then casts to E4M3's NaN).
+both paths. Row-wise scales are ``fp8_max / amax`` correctly rounded on both paths: ``div_rn``
+here (Triton's fp32 ``/`` is approximate), a tensor-by-tensor ``div`` in the torch path (not
+``float / tensor``, which torch computes as ``reciprocal() * fp8_max``, rounded twice).
+
+[Note: FP8 NaN propagation] A NaN must survive every kernel as it does in torch, so that it
+reaches the gradients and the loss scaler's overflow check instead of being quantized into a
+finite value. Triton's defaults drop NaN (``tl.max``, ``tl.maximum`` and ``tl.clamp`` use
+maxnum/minnum semantics: a NaN used to give a finite amax and cast to -448 / -57344). So:
+amaxes are integer maxima of the magnitude bits (``bits & 0x7FFFFFFF``): for non-negative IEEE
+values integer order is numeric order, and every NaN's magnitude bits exceed +inf's, so the
+amax is NaN exactly when torch's is (one integer reduction; a custom NaN-aware combine
+function would be as cheap on a GPU but runs element by element in Triton's interpreter). The
+resulting positive NaN also wins ``tl.atomic_max``, which compares non-negative floats as
+integers. The clamps use ``PropagateNan.ALL`` (``max.NaN`` / ``min.NaN`` in the PTX, checked by
+``test_triton_kernels_compile_for_sm90``), so a NaN casts to the format's NaN; row-wise, a NaN
+makes its row's scale and every element of the row NaN, as ``448 / NaN`` does in torch. NaN bit
+patterns are not compared between the paths: torch keeps a NaN's sign, ``cvt`` writes a
+canonical NaN.
 """
 
 from __future__ import annotations
@@ -31,6 +49,18 @@ from lightning_ampzero.fp8.kernels._torch import EPS, FP8_MAX
 
 _BLOCK = 4096
 _TILE = 64
+_NAN = tl.constexpr(tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _magnitude_bits(x):
+    # |x| (fp32) as int32 bits: amaxes are integer maxima of these, see [Note: FP8 NaN propagation].
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _amax(x, axis):
+    return tl.max(_magnitude_bits(x), axis=axis).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -38,7 +68,7 @@ def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
+    tl.atomic_max(amax_ptr, _amax(x, 0))
 
 
 @triton.jit
@@ -49,10 +79,10 @@ def _cast_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, n, FP8_MAX: tl.constexpr, WI
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(scale_ptr)
-    y = tl.clamp(x * s, -FP8_MAX, FP8_MAX)
+    y = tl.clamp(x * s, -FP8_MAX, FP8_MAX, propagate_nan=_NAN)
     tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     if WITH_AMAX:
-        tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
+        tl.atomic_max(amax_ptr, _amax(x, 0))
 
 
 @triton.jit
@@ -63,11 +93,12 @@ def _cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, N, stri
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None] * stride_m + rn[None, :] * stride_n, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(scale_ptr)
-    y = tl.clamp(x * s, -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    y = tl.clamp(x * s, -FP8_MAX, FP8_MAX, propagate_nan=_NAN)
+    y = y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(q_ptr + rm[:, None] * N + rn[None, :], y, mask=mask)
     tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(y), mask=tl.trans(mask))
     if WITH_AMAX:
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        tl.atomic_max(amax_ptr, _amax(_amax(x, 1), 0))
 
 
 @triton.jit
@@ -76,20 +107,21 @@ def _rowwise_cast_kernel(x_ptr, q_ptr, scale_ptr, M, N, sx_m, sx_n, sq_m, sq_n, 
     # One program per BM rows: pass 1 finds each row's amax, pass 2 casts (the rows stay in L2).
     rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     row_mask = rm < M
-    amax = tl.zeros([BM], dtype=tl.float32)
+    amax = tl.zeros([BM], dtype=tl.int32)  # as magnitude bits, so that a NaN wins
     for start in range(0, N, BN):
         rn = start + tl.arange(0, BN)
         mask = row_mask[:, None] & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * sx_m + rn[None, :] * sx_n, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    # IEEE division (Triton's `/` is approximate in fp32): the same scale torch computes.
-    scale = tl.math.div_rn(tl.full([BM], FP8_MAX, tl.float32), tl.maximum(amax, EPS))
+        amax = tl.maximum(amax, tl.max(_magnitude_bits(x), axis=1))
+    # Correctly rounded division (Triton's fp32 `/` is approximate): see [Note: FP8 cast numerics].
+    amax_f = tl.maximum(amax.to(tl.float32, bitcast=True), EPS, propagate_nan=_NAN)
+    scale = tl.math.div_rn(tl.full([BM], FP8_MAX, tl.float32), amax_f)
     tl.store(scale_ptr + rm, scale, mask=row_mask)
     for start in range(0, N, BN):
         rn = start + tl.arange(0, BN)
         mask = row_mask[:, None] & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * sx_m + rn[None, :] * sx_n, mask=mask, other=0.0).to(tl.float32)
-        y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
+        y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX, propagate_nan=_NAN)
         tl.store(q_ptr + rm[:, None] * sq_m + rn[None, :] * sq_n,
                  y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
