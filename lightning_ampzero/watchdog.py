@@ -252,6 +252,7 @@ class Watchdog:
         self._beat = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self.cpu_s = 0.0
 
     def mark(self, step: int, phase: str) -> None:
         """The loop reached ``phase`` of ``step`` (main thread; no I/O)."""
@@ -289,6 +290,7 @@ class Watchdog:
     def _run(self) -> None:
         store_lost_since: Optional[float] = None
         while not self._stop.wait(self.poll_s):
+            self.cpu_s = time.thread_time()  # this thread's CPU time so far: the detector's cost (benchmarks)
             stuck = time.monotonic() - self._moved >= self.timeout_s
             try:
                 self._publish()
