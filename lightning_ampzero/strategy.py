@@ -217,8 +217,11 @@ class AmpZeroStrategy(ParallelStrategy):
     # ---- processes -----------------------------------------------------------------------
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        # Also where the processes are created outside (the script's own children, torchrun, SLURM):
+        # the launcher then starts nothing, but it gives each process its share of the cores
+        # (torch threads = cores / processes per node unless OMP_NUM_THREADS is set), as for
+        # Lightning's ddp. Without it each rank ran as many threads as the machine has cores.
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()

@@ -15,13 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
-def script_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+def script_env(extra: Optional[dict[str, Optional[str]]] = None) -> dict[str, str]:
+    """The test process's environment for a script, with ``extra`` set (a value of None removes the key)."""
     env = dict(os.environ)
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(key, None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(SCRIPTS), env.get("PYTHONPATH", "")])
     env["PYTHONWARNINGS"] = "ignore"
-    env.update(extra or {})
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
@@ -31,7 +36,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_script(name: str, *args: str, timeout: float = 600, env: Optional[dict[str, str]] = None,
+def run_script(name: str, *args: str, timeout: float = 600, env: Optional[dict[str, Optional[str]]] = None,
                launcher: Optional[list[str]] = None) -> subprocess.CompletedProcess:
     cmd = [*(launcher or [sys.executable]), str(SCRIPTS / name), *args]
     proc = subprocess.run(cmd, env=script_env(env), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
