@@ -290,7 +290,8 @@ class Fp8Config(FromDict, section="fp8"):
             a callable, call ``convert_to_fp8(model, cfg, module_filter_fn=...)`` in
             ``configure_model``; the strategy leaves converted layers as they are.
         msamp: MS-AMP-style level. ``none``: FP8 GEMMs only. ``O1``: + weights all-gathered in FP8
-            under ZeRO stages 1-3 (FSDP2 all-gather extension; half the bytes of bf16).
+            under ZeRO stages 1-3 (FSDP2 all-gather extension; half the bytes of bf16; not with
+            ``zero.hpz_partition_size > 1``, which FSDP2 does not support for that extension).
             ``O2``: O1 + Adam's first moment stored in FP8 (E4M3) and second moment in fp16,
             each with a per-tensor scale (3 bytes per parameter instead of 8).
         emulate: compute the GEMMs on dequantized operands instead of ``torch._scaled_mm`` (same
@@ -523,4 +524,16 @@ class AmpZeroConfig(FromDict):
             raise ValueError(
                 f"offload.offload_param={self.offload.offload_param!r} needs zero.stage=3 (only stage 3 partitions the"
                 f" parameters), got stage={stage}. Set stage=3, or use offload_optimizer for stages 1-2."
+            )
+        if self.fp8.enabled and self.fp8.msamp != "none" and self.zero.hpz_partition_size > 1:
+            # FSDP2 (torch 2.13) cannot keep the hpZ secondary shard of a parameter that defines its
+            # own all-gather (fsdp_pre_all_gather): the post-forward reshard fails on the FP8 bytes,
+            # and the backward all-gather from that shard raises NotImplementedError
+            # (_fsdp_param.py, all_gather_inputs). tests/test_fp8_hpz.py reproduces it on 4 ranks.
+            raise ValueError(
+                f"fp8.msamp={self.fp8.msamp!r} (weights all-gathered in FP8) cannot be combined with"
+                f" zero.hpz_partition_size={self.zero.hpz_partition_size}: PyTorch's FSDP2 does not support its"
+                " all-gather extension on the hpZ secondary partition. Choose one: hpz_partition_size=1 to keep"
+                " the FP8 all-gather, or fp8.msamp='none' to keep hpZ (FP8 GEMMs stay; weights are gathered in"
+                " the parameter dtype)."
             )

@@ -115,20 +115,38 @@ def _reduce_in_dtypes(state: _ReduceState, bucket):  # type: ignore[no-untyped-d
         futures.append(dist.all_reduce(send, group=group, async_op=True).get_future())
         packs.append((index, send))
 
-    def unpack(_: Any) -> Tensor:
-        for index, reduced in packs:
-            if len(index) == len(grads):
-                if reduced is not buffer:
-                    buffer.copy_(reduced)
-                continue
-            offset = 0
-            for i in index:
-                n = grads[i].numel()
-                grads[i].copy_(reduced[offset:offset + n].view_as(grads[i]))
-                offset += n
-        return buffer
+    # [Note: stream order of the reduce-dtype hook]
+    # An NCCL future completes when the all-reduce is *enqueued*; its result is ready for a reader
+    # only once the reader's stream waits on NCCL's, which ``wait()`` on that future arranges (it
+    # blocks no thread). ``collect_all`` returns a device-less future, and only a future built
+    # with the CUDA devices of its values synchronizes streams (``torch.futures.Future``'s
+    # ``devices``): so the callback waits on every NCCL future itself before reading, and the
+    # result is set on a future of the buffer's device, so that DDP's own ``wait()`` on it orders
+    # its reads after the copies below. On CPU (gloo) a completed future is a finished collective
+    # and both steps cost nothing.
+    result: torch.futures.Future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
 
-    return torch.futures.collect_all(futures).then(unpack)
+    def unpack(_: torch.futures.Future) -> None:
+        try:
+            for future in futures:
+                future.wait()
+            for index, reduced in packs:
+                if len(index) == len(grads):
+                    if reduced is not buffer:
+                        buffer.copy_(reduced)
+                    continue
+                offset = 0
+                for i in index:
+                    n = grads[i].numel()
+                    grads[i].copy_(reduced[offset:offset + n].view_as(grads[i]))
+                    offset += n
+        except Exception as err:  # a failed collective: DDP's wait() raises it
+            result.set_exception(err)
+            return
+        result.set_result(buffer)
+
+    torch.futures.collect_all(futures).then(unpack)
+    return result
 
 
 def register_reduce_dtypes(ddp: nn.parallel.DistributedDataParallel, dtypes: dict[int, torch.dtype]) -> None:

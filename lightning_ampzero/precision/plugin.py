@@ -96,6 +96,24 @@ def _trainer_precision_flag() -> Optional[str]:
     return None
 
 
+def _compute_device(module: nn.Module) -> Optional[torch.device]:
+    """The device the step computes on: the strategy's root device when a Trainer runs ``module``.
+
+    Not the parameters' device: with ``offload_param='cpu'`` the parameter shards live in host
+    memory while the GPU computes, and a "-mixed" run would autocast for "cpu", that is, compute
+    in fp32 on the GPU without a word (issue 14, item 2). Without a Trainer (the plugin used
+    on its own), the first parameter's device.
+    """
+    try:
+        root = module._trainer.strategy.root_device  # type: ignore[union-attr]
+    except (AttributeError, AssertionError):  # no Trainer, or a strategy whose devices are not set yet
+        root = None
+    if isinstance(root, torch.device):
+        return root
+    param = next(module.parameters(), None)
+    return param.device if param is not None else None
+
+
 class AmpZeroPrecision(Precision):
     """Precision plugin of strategy ampzero: "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true".
 
@@ -103,8 +121,9 @@ class AmpZeroPrecision(Precision):
         precision: the Lightning precision string; ``config.precision``, when set, wins.
         config: a :class:`~lightning_ampzero.config.PrecisionConfig` (loss scaler, overflow check,
             safe modules, communication dtype).
-        device: the device type autocast runs on ("cpu", "cuda", ...); taken from the model
-            when the plugin connects if not given.
+        device: the device type autocast runs on ("cpu", "cuda", ...); if not given, taken
+            when the plugin connects from the strategy's root device (or, without a Trainer, from
+            the model's first parameter).
 
     Raises:
         ValueError: an unknown precision, settings that contradict it (naming both), or a low
@@ -216,9 +235,9 @@ class AmpZeroPrecision(Precision):
         module = getattr(model, "module", model)  # DDP's wrapped module at stage 0
         self.scaler.module = module  # names the parameters in the at-minimum-scale error
         if self.device is None:
-            param = next(module.parameters(), None)
-            if param is not None:
-                self.device = param.device.type
+            device = _compute_device(module)
+            if device is not None:
+                self.device = device.type
                 check_device_support(self.precision, self.device)
         if self.scaler.checks_overflow:
             for config in lr_schedulers:
