@@ -435,6 +435,59 @@ class ActivationCheckpointingConfig(FromDict, section="activation_checkpointing"
         return self.mode != "none"
 
 
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class CompileConfig(FromDict, section="compile"):
+    """``torch.compile`` of each block, in place, before partitioning (docs/compile.md).
+
+    Attributes:
+        enabled: compile the blocks. ``AmpZeroStrategy(compile=True)`` is the shorthand.
+        modules: class names of the blocks to compile; empty = the repeated blocks (as
+            ``zero.wrap_modules`` and activation checkpointing find them), e.g. the transformer blocks.
+        backend: ``torch.compile``'s backend (``inductor``: C++ on CPU, Triton on GPU).
+        mode: ``torch.compile``'s mode (``None`` = its default).
+        fullgraph: fail on a graph break instead of running the rest of the block eagerly.
+        dynamic: ``torch.compile``'s ``dynamic`` (``None``: static shapes first, dynamic after a
+            shape change).
+    """
+
+    enabled: bool = False
+    modules: tuple[str, ...] = ()
+    backend: str = "inductor"
+    mode: Optional[str] = None
+    fullgraph: bool = False
+    dynamic: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        owner = "compile"
+        for name in ("enabled", "fullgraph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{owner}.{name} must be true or false, got {getattr(self, name)!r}.")
+        if self.dynamic is not None and not isinstance(self.dynamic, bool):
+            raise ValueError(f"{owner}.dynamic must be true, false or null, got {self.dynamic!r}.")
+        check_choice(owner, "mode", self.mode, COMPILE_MODES)
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"{owner}.backend must name a torch.compile backend such as 'inductor', got"
+                             f" {self.backend!r}.")
+        if isinstance(self.modules, str):
+            raise ValueError(f"{owner}.modules must be a list of class names, got the string {self.modules!r}.")
+        object.__setattr__(self, "modules", tuple(self.modules))
+        for name in self.modules:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{owner}.modules must hold class names, got {name!r}.")
+        if not self.enabled:
+            default = CompileConfig.__dataclass_fields__
+            changed = [n for n in ("modules", "backend", "mode", "fullgraph", "dynamic")
+                       if getattr(self, n) != default[n].default and not (n == "modules" and not self.modules)]
+            if changed:
+                raise ValueError(
+                    f"{owner}.{changed[0]}={getattr(self, changed[0])!r} has no effect with {owner}.enabled=false."
+                    f" Set {owner}.enabled=true (AmpZeroStrategy(compile=True)), or remove the setting."
+                )
+
+
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
@@ -511,6 +564,7 @@ class AmpZeroConfig(FromDict):
     fp8: Fp8Config = field(default_factory=Fp8Config.off)
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
     def __post_init__(self) -> None:
         stage = self.zero.stage
@@ -524,6 +578,17 @@ class AmpZeroConfig(FromDict):
             raise ValueError(
                 f"offload.offload_param={self.offload.offload_param!r} needs zero.stage=3 (only stage 3 partitions the"
                 f" parameters), got stage={stage}. Set stage=3, or use offload_optimizer for stages 1-2."
+            )
+        ac = self.activation_checkpointing
+        hooked = [n for n in ("cpu_checkpointing", "contiguous_memory_optimization", "profile",
+                              "synchronize_checkpoint_boundary") if getattr(ac, n)]
+        if self.compile.enabled and ac.enabled and hooked:
+            # Measured (torch 2.13): torch.compile cannot trace the per-block Python these run (the
+            # saved-tensor hooks, the clocks), so every checkpointed block would run eagerly.
+            raise ValueError(
+                f"compile.enabled with activation_checkpointing.{hooked[0]}=True: that option runs Python hooks around"
+                " each checkpointed block that torch.compile cannot trace, so the blocks would silently stay"
+                f" uncompiled. Choose one: turn off activation_checkpointing.{hooked[0]}, or compile.enabled=false."
             )
         if self.fp8.enabled and self.fp8.msamp != "none" and self.zero.hpz_partition_size > 1:
             # FSDP2 (torch 2.13) cannot keep the hpZ secondary shard of a parameter that defines its

@@ -1,12 +1,13 @@
 """The config schema of ``ampzero-train``, registered in Hydra's ConfigStore.
 
 Every node of the composed config is typed by a frozen dataclass of the one schema. The
-strategy's five nodes are the five fields of ``AmpZeroConfig``: ``strategy`` is its ``zero``
+strategy's six nodes are the six fields of ``AmpZeroConfig``: ``strategy`` is its ``zero``
 (:class:`~lightning_ampzero.config.ZeroConfig`), ``precision``
 (:class:`~lightning_ampzero.config.PrecisionConfig`), ``offload``
 (:class:`~lightning_ampzero.config.OffloadConfig`), ``activation_checkpointing``
-(:class:`~lightning_ampzero.config.ActivationCheckpointingConfig`) and ``fp8``
-(:class:`~lightning_ampzero.config.Fp8Config`); ``model`` by ``GPTConfig``, ``data`` by
+(:class:`~lightning_ampzero.config.ActivationCheckpointingConfig`), ``fp8``
+(:class:`~lightning_ampzero.config.Fp8Config`) and ``compile``
+(:class:`~lightning_ampzero.config.CompileConfig`); ``model`` by ``GPTConfig``, ``data`` by
 ``DataConfig``, ``optim`` / ``scheduler`` by the DeepSpeed-section configs, and ``trainer`` /
 ``run`` by the two classes below. Hydra cannot take these classes as they are (they are frozen,
 so OmegaConf would make them read-only, and they hold tuples), so :func:`structured` derives a
@@ -44,6 +45,7 @@ from lightning_ampzero._schema import FromDict, check_choice, check_number, conf
 from lightning_ampzero.config import (
     ActivationCheckpointingConfig,
     AmpZeroConfig,
+    CompileConfig,
     Fp8Config,
     OffloadConfig,
     PrecisionConfig,
@@ -191,6 +193,7 @@ class TrainAppConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config.off)
+    compile: CompileConfig = field(default_factory=CompileConfig)  # a node: compile.enabled=true
     model: Any = field(default_factory=_default_model)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -212,10 +215,11 @@ class TrainAppConfig:
 
     @property
     def amp_config(self) -> AmpZeroConfig:
-        """The strategy's config: the ``strategy``, ``precision``, ``offload``, ``activation_checkpointing``
-        and ``fp8`` nodes."""
+        """The strategy's config: the ``strategy``, ``precision``, ``offload``, ``activation_checkpointing``,
+        ``fp8`` and ``compile`` nodes."""
         return AmpZeroConfig(zero=self.strategy, precision=self.precision, fp8=self.fp8,
-                             activation_checkpointing=self.activation_checkpointing, offload=self.offload)
+                             activation_checkpointing=self.activation_checkpointing, offload=self.offload,
+                             compile=self.compile)
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
@@ -229,6 +233,7 @@ def _node_types() -> dict[str, type]:
         "offload": OffloadConfig,
         "activation_checkpointing": ActivationCheckpointingConfig,
         "fp8": Fp8Config,
+        "compile": CompileConfig,
         "model": _model_config_class(),
         "data": DataConfig,
         "trainer": TrainerConfig,

@@ -6,6 +6,8 @@ Order of transforms in :meth:`AmpZeroStrategy.setup` (each one a function of its
    (:func:`lightning_ampzero.fp8.convert_to_fp8`; a no-op unless ``fp8`` is configured),
 2. activation checkpointing (:func:`lightning_ampzero.activation.apply_activation_checkpointing`:
    patches the chosen blocks' ``forward``; it must precede partitioning, see [Note: AC inside FSDP2]),
+   then ``torch.compile`` of each block (:func:`lightning_ampzero.torch_compile.apply_compile`; a
+   no-op unless ``compile`` is on; see [Note: compile order]),
 3. partitioning: stage 0 wraps DDP; stages 1-3 call :func:`lightning_ampzero.zero.apply_zero`
    bottom-up (with FSDP2's CPUOffloadPolicy for ``offload_param``), then (stage 3) materialize the
    meta parameters: each rank's chunk kept by :class:`lightning_ampzero.zero.init.ZeroInit` while
@@ -52,13 +54,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_ampzero._schema import suggest
 from lightning_ampzero.checkpoint.sharded import load_sharded, save_sharded
 from lightning_ampzero.activation import apply_activation_checkpointing
-from lightning_ampzero.config import ActivationCheckpointingConfig, AmpZeroConfig, OffloadConfig, ZeroConfig
+from lightning_ampzero.config import (
+    ActivationCheckpointingConfig,
+    AmpZeroConfig,
+    CompileConfig,
+    OffloadConfig,
+    ZeroConfig,
+)
 from lightning_ampzero.fp8 import convert_to_fp8, fp8_optimizers
 from lightning_ampzero.fp8.convert import fp8_device_note
 from lightning_ampzero.offload import setup as offload_setup
 from lightning_ampzero.offload.optimizer import is_offloaded
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
 from lightning_ampzero.process import release_process_groups
+from lightning_ampzero.torch_compile import apply_compile
 from lightning_ampzero.hf import load_pending_pretrained
 from lightning_ampzero.sigterm import AsyncSigtermBroadcast
 from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
@@ -108,13 +117,15 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
             f" Arguments: config, {', '.join(sorted((top - {'zero'}) | zero | offload))}."
         )
     # A nested config may be given as a mapping (e.g. the registry's init params, a Hydra node), and
-    # activation_checkpointing as its mode ("full", "selective").
+    # activation_checkpointing as its mode ("full", "selective"), compile as a bool.
     hints = typing.get_type_hints(AmpZeroConfig)
     for name, value in list(top_kw.items()):
         if isinstance(value, Mapping) and dataclasses.is_dataclass(hints[name]):
             top_kw[name] = hints[name].from_dict(value)
         elif name == "activation_checkpointing" and isinstance(value, str):
             top_kw[name] = ActivationCheckpointingConfig(mode=value)
+        elif name == "compile" and isinstance(value, bool):
+            top_kw[name] = CompileConfig(enabled=value)  # [compile] AmpZeroStrategy(compile=True)
     # One replace, so that cross-field checks (AmpZeroConfig.__post_init__) see the final values.
     if zero_kw:
         top_kw["zero"] = dataclasses.replace(top_kw.get("zero", cfg.zero), **zero_kw)
@@ -162,6 +173,7 @@ class AmpZeroStrategy(ParallelStrategy):
         self._device_mesh: Any = None
         self.units: list[Any] = []
         self.activation_checkpointing: Any = None  # what apply_activation_checkpointing did (setup)
+        self.compiled: list[str] = []  # [compile] names of the blocks apply_compile compiled (setup)
         self._sigterm: Any = None  # (epoch loop, AsyncSigtermBroadcast) while fitting
         self._watchdog: Any = None  # (trainer, WatchdogCallback or None) while fitting
 
@@ -296,6 +308,7 @@ class AmpZeroStrategy(ParallelStrategy):
             # cannot broadcast the FP8 all-gather wrapper, and has no all-gather anyway.
             module = convert_to_fp8(module, self.config.fp8, fp8_all_gather=False)
             self._apply_activation_checkpointing(module)
+            self.compiled = apply_compile(module, self.config.compile)  # [compile] after AC, before DDP
             module.to(self.root_device)
             self.model = self._wrap_ddp(module)
             # [precision] DDP has no mixed-precision policy: the plugin adds "-true" compute copies
@@ -312,6 +325,8 @@ class AmpZeroStrategy(ParallelStrategy):
             # [fp8] swap nn.Linear for Fp8Linear (on meta modules under stage 3), before sharding.
             module = convert_to_fp8(module, self.config.fp8)
             self._apply_activation_checkpointing(module)
+            # [compile] each block, after checkpointing and before sharding ([Note: compile order]).
+            self.compiled = apply_compile(module, self.config.compile)
             # [offload] parameter shards in host memory (stage 3; on CPU a no-op, with a warning).
             offload_policy = offload_setup.param_offload_policy(self.config.offload, self.root_device, rank_zero_warn)
             move_real_tensors_(module, self.root_device)  # meta parameters stay for materialize_meta_

@@ -18,6 +18,7 @@ from lightning_ampzero._deepspeed.common import (
     _NoEffect,
     _warn,
 )
+from lightning_ampzero._deepspeed.compile import convert_compile
 from lightning_ampzero._deepspeed.features import convert_features
 from lightning_ampzero._deepspeed.optim import OptimizerConfig, SchedulerConfig, convert_optimizer, convert_scheduler
 from lightning_ampzero._deepspeed.precision import convert_precision
@@ -82,7 +83,7 @@ _TOP: dict[str, Any] = {
     "hybrid_engine": _NoEffect("not part of lightning_ampzero"),
     "graph_harvesting": _NoEffect("not part of lightning_ampzero"),
     "use_data_before_expert_parallelism": _NoEffect("expert parallelism is not part of lightning_ampzero"),
-    "compile": _NoEffect("call torch.compile in your LightningModule"),
+    "compile": _HANDLED,
     "zero_allow_comm_data_type_fp32": _NoEffect("communication_data_type is honoured as given"),
 }
 
@@ -173,6 +174,7 @@ class _Converter:
         convert_zero(self, self.section(data.get("zero_optimization"), "zero_optimization"))
         convert_precision(self, data)
         convert_features(self, data)
+        convert_compile(self, data)
         convert_optimizer(self, self.section(data.get("optimizer"), "optimizer"))
         convert_scheduler(self, self.section(data.get("scheduler"), "scheduler"))
 

@@ -14,6 +14,7 @@ from lightning_ampzero._deepspeed.optim import OptimizerConfig, SchedulerConfig,
 from lightning_ampzero.config import (
     ActivationCheckpointingConfig,
     AmpZeroConfig,
+    CompileConfig,
     Fp8Config,
     OffloadConfig,
     PrecisionConfig,
@@ -223,6 +224,7 @@ class ImportedDeepSpeedConfig:
             ("activation_checkpointing", cfg.activation_checkpointing,
              ActivationCheckpointingConfig(mode=cfg.activation_checkpointing.mode)),
             ("fp8", cfg.fp8, Fp8Config(recipe=cfg.fp8.recipe) if cfg.fp8.enabled else Fp8Config.off()),
+            ("compile", cfg.compile, CompileConfig()),
         ):
             diff = _diff(value, default)
             if diff:

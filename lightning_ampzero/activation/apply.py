@@ -117,7 +117,10 @@ class _CheckpointedForward:
             _synchronize(device)
         start = owner._clock(device) if cfg.profile else 0.0
         with owner.saved_inputs_context():
-            out = checkpoint(self._run, *args, use_reentrant=False, context_fn=owner.context_fn, **kwargs)
+            if owner.context_fn is None:
+                out = checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+            else:
+                out = checkpoint(self._run, *args, use_reentrant=False, context_fn=owner.context_fn, **kwargs)
         if cfg.synchronize_checkpoint_boundary:
             _synchronize(device)
         if cfg.profile:
@@ -152,7 +155,9 @@ class ActivationCheckpointing:
         self.hooks: Optional[SavedInputsHooks] = None
         self.profile: dict[str, BlockProfile] = {}
         self.boundaries = 0
-        self.context_fn: Callable = _selective_context if config.mode == "selective" else _noop_context
+        # ``full`` passes no context_fn: under torch.compile one must return selective-checkpoint
+        # dispatch modes, and torch's own default is the only other one it accepts.
+        self.context_fn: Optional[Callable] = _selective_context if config.mode == "selective" else None
         self._patched: list[tuple[nn.Module, Any]] = []
 
     @property
@@ -194,10 +199,6 @@ class ActivationCheckpointing:
                 module.forward = previous
         self._patched.clear()
         self.blocks.clear()
-
-
-def _noop_context() -> tuple[Any, Any]:
-    return nullcontext(), nullcontext()
 
 
 def apply_activation_checkpointing(

@@ -102,9 +102,11 @@ class SummaryCallback(Callback):
         }
 
     def _features(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
-        """The offload / activation-checkpointing / FP8 settings, and what they did on this rank: the optimizer
-        classes, checkpointed blocks and FP8 layers are read from the trained objects, not the config."""
+        """The offload / activation-checkpointing / FP8 / compile settings, and what they did on this rank: the
+        optimizer classes, checkpointed and compiled blocks and FP8 layers are read from the trained objects,
+        not the config."""
         from lightning_ampzero.fp8 import Fp8Linear
+        from lightning_ampzero.torch_compile import compiled_blocks
 
         app = self.app
         ac = getattr(trainer.strategy, "activation_checkpointing", None)
@@ -121,6 +123,8 @@ class SummaryCallback(Callback):
             "fp8": app.fp8.recipe if app.fp8.enabled else None,
             "fp8_msamp": app.fp8.msamp if app.fp8.enabled else None,
             "fp8_layers": sum(isinstance(m, Fp8Linear) for m in pl_module.modules()),
+            "compile": app.compile.backend if app.compile.enabled else None,
+            "compiled_blocks": len(compiled_blocks(pl_module)),
         }
 
     @staticmethod
@@ -155,6 +159,8 @@ def _describe_features(f: dict[str, Any]) -> str:
     if f.get("fp8"):
         msamp = f" + MS-AMP {f['fp8_msamp']}" if f.get("fp8_msamp") not in (None, "none") else ""
         parts.append(f"FP8 {f['fp8']}{msamp} ({f.get('fp8_layers', 0)} Linear layers)")
+    if f.get("compile"):
+        parts.append(f"torch.compile {f['compile']} ({f.get('compiled_blocks', 0)} blocks)")
     return "; ".join(parts)
 
 
@@ -190,7 +196,7 @@ def render_summary(summary: dict[str, Any], console: Any = None) -> None:
     table.add_row("model", f"{summary['num_params']:,} parameters")
     features = _describe_features(summary.get("features") or {})
     if features:
-        table.add_row("memory / fp8", features)
+        table.add_row("features", features)
     table.add_row("steps", f"{summary['steps']} optimizer steps, {summary['tokens']:,} tokens")
     if summary.get("loss_first") is not None:
         w = summary.get("loss_window", 1)

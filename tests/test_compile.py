@@ -1,0 +1,157 @@
+"""torch.compile per block (issue 16): config, the three ways in (keyword, Hydra, DeepSpeed JSON),
+numerics against eager, and one graph for all the blocks of a class.
+
+The Lightning runs (tests/scripts/parity.py, 2 CPU ranks) compare compiled against eager at
+stage 0 (DDP) and stage 3 with full activation checkpointing: the transform order
+(checkpointing, compile, sharding) is what they exercise.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+
+from _scripts import run_json
+from lightning_ampzero.config import ActivationCheckpointingConfig, AmpZeroConfig, CompileConfig
+from lightning_ampzero.models.gpt import GPT, GPTConfig
+
+
+# ---- config -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"enabled": True, "mode": "fast"}, "compile.mode='fast' is not valid. Allowed values: None, 'default'"),
+    ({"enabled": "yes"}, "compile.enabled must be true or false"),
+    ({"enabled": True, "dynamic": "auto"}, "compile.dynamic must be true, false or null"),
+    ({"enabled": True, "backend": ""}, "compile.backend must name a torch.compile backend"),
+    ({"enabled": True, "modules": "Block"}, "compile.modules must be a list of class names"),
+    ({"fullgraph": True}, "compile.fullgraph=True has no effect with compile.enabled=false"),
+    ({"mode": "max-autotune"}, "compile.mode='max-autotune' has no effect"),
+])
+def test_bad_settings_are_refused_naming_the_key(kwargs, match):
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        CompileConfig(**kwargs)
+
+
+@pytest.mark.parametrize("option", ["cpu_checkpointing", "contiguous_memory_optimization", "profile",
+                                    "synchronize_checkpoint_boundary"])
+def test_checkpointing_options_that_would_stay_uncompiled_are_refused(option):
+    ac = ActivationCheckpointingConfig(mode="full", **{option: True})
+    with pytest.raises(ValueError, match=f"compile.enabled with activation_checkpointing.{option}=True.*Choose one"):
+        AmpZeroConfig(compile=CompileConfig(enabled=True), activation_checkpointing=ac)
+    AmpZeroConfig(activation_checkpointing=ac)  # each alone is fine
+
+
+def test_the_strategy_keyword_hydra_node_and_deepspeed_section_build_the_same_config():
+    from lightning_ampzero.deepspeed import convert_deepspeed_config
+    from lightning_ampzero.strategy import AmpZeroStrategy
+    from lightning_ampzero.train import ConfigError, compose_typed
+
+    assert AmpZeroStrategy(stage=3, compile=True).config.compile == CompileConfig(enabled=True)
+    assert AmpZeroStrategy(compile={"enabled": True, "mode": "max-autotune"}).config.compile.mode == "max-autotune"
+    assert not AmpZeroStrategy().config.compile.enabled
+    app = compose_typed(["compile.enabled=true", "compile.fullgraph=true"])
+    assert app.amp_config.compile == CompileConfig(enabled=True, fullgraph=True)
+    with pytest.raises(ConfigError, match="Did you mean 'enabled'"):
+        compose_typed(["compile.enable=true"])
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ds = convert_deepspeed_config({"compile": {"backend": "inductor", "kwargs": {"mode": "max-autotune"}}})
+    assert ds.config.compile == CompileConfig(enabled=True, mode="max-autotune")
+    overrides = ds.hydra_overrides()  # what `ampzero-config from-deepspeed` prints
+    assert overrides[-2:] == ["compile.enabled=true", "compile.mode=max-autotune"]
+    assert compose_typed(overrides).amp_config.compile == ds.config.compile
+    assert any("compile: the section is read as 'compile the model'" in str(w.message) for w in seen)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ds = convert_deepspeed_config({"compile": {"deepcompile": True, "offload_activation": True}})
+    assert ds.config.compile.enabled
+    assert any("compile.offload_activation (DeepCompile's passes" in str(w.message) for w in seen)
+    assert not convert_deepspeed_config({"compile": {"disable": True}}).config.compile.enabled
+    assert not convert_deepspeed_config({}).config.compile.enabled
+    with pytest.raises(ValueError, match=r"compile.backnd \(did you mean 'backend'\?\)"):
+        convert_deepspeed_config({"compile": {"backnd": "inductor"}})
+    with pytest.raises(ValueError, match="compile.kwargs.options is not taken here"):
+        convert_deepspeed_config({"compile": {"kwargs": {"options": {}}}})
+
+
+# ---- one process: numerics and graphs -----------------------------------------------------------
+def _gpt(n_layer: int = 4) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=n_layer, n_embd=32, n_head=2, block_size=16, vocab_size=64))
+
+
+def _train(model: GPT, steps: int = 3) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, 64, (4, 16), generator=g)
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.roll(-1, 1).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_compiled_blocks_train_as_eager_with_one_graph_for_all_blocks(ac):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from lightning_ampzero.activation import apply_activation_checkpointing
+    from lightning_ampzero.torch_compile import apply_compile, compiled_blocks
+
+    eager = _gpt()
+    model = copy.deepcopy(eager)
+    # Checkpointing first, then compile (the strategy's order): the recomputation is compiled too.
+    apply_activation_checkpointing(model, ActivationCheckpointingConfig(mode=ac))
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        names = apply_compile(model, CompileConfig(enabled=True))
+        assert names == [f"blocks.{i}" for i in range(4)] == compiled_blocks(model)
+        assert type(model.blocks[0]).__name__ == "Block"  # in place: class, names and keys kept
+        assert list(model.state_dict()) == list(eager.state_dict())
+        got, ref = _train(model), _train(eager)
+        # Inductor fuses and reorders float arithmetic: close, not bit for bit.
+        assert got == pytest.approx(ref, rel=1e-5)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+        # One block class, one graph, whatever the depth: no recompilation per block.
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        assert apply_compile(model, CompileConfig(enabled=True)) == names  # a second setup leaves them
+    finally:
+        torch._dynamo.reset()
+
+
+def test_nothing_to_compile_and_unknown_backends_are_errors():
+    from lightning_ampzero.torch_compile import apply_compile
+
+    flat = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.LayerNorm(4))  # nothing repeats
+    with pytest.raises(ValueError, match="compile found no block to compile.*compile.modules"):
+        apply_compile(flat, CompileConfig(enabled=True))
+    with pytest.raises(ValueError, match="compile.backend='indutor' is not a torch.compile backend. Did you mean"
+                                         " 'inductor'"):
+        apply_compile(_gpt(2), CompileConfig(enabled=True, backend="indutor"))
+    assert apply_compile(flat, CompileConfig()) == []  # off: untouched
+    assert AmpZeroConfig().compile == CompileConfig()
+
+
+# ---- Lightning, 2 ranks -------------------------------------------------------------------------
+def test_lightning_compiled_matches_eager_at_stage_0_and_stage_3_with_checkpointing(tmp_path):
+    steps = 4
+    runs = {}
+    for name, kwargs in (("eager", {"activation_checkpointing": "full"}),
+                         ("compiled", {"activation_checkpointing": "full", "compile": True})):
+        runs[name] = run_json("parity.py", tmp_path / f"{name}.json", "--configs", "0:1:none,3:1:none",
+                              "--steps", str(steps), "--strategy-kwargs", json.dumps(kwargs), timeout=900)
+    for cfg in ("0:1:none", "3:1:none"):
+        eager, compiled = runs["eager"][cfg], runs["compiled"][cfg]
+        assert len(compiled) == steps and compiled[-1] < compiled[0]
+        assert compiled == pytest.approx(eager, rel=1e-5), cfg
