@@ -1,7 +1,9 @@
 """The benchmark suite in one command: ampzero against DeepSpeed, raw FSDP2 and DDP, side by side.
 
     python benchmarks/run.py            # full CPU suite (about 10-15 minutes on 2 cores)
-    python benchmarks/run.py --quick    # smaller model, fewer configurations (under 3 minutes)
+    python benchmarks/run.py --quick    # smaller model, fewer configurations (under 3 minutes), then
+                                        # the regression guard: exit 1 when a ratio is >15% worse
+                                        # than the committed results/cpu_quick.json
     python benchmarks/run.py --gpu      # single-GPU suite (needs CUDA; see benchmarks/suite/gpu.py)
 
 Writes ``benchmarks/results/cpu.{json,md}``, ``cpu_summary.md`` and ``cpu_*.png`` (``cpu_quick*``
@@ -35,6 +37,10 @@ from benchmarks.suite.configs import SUITES, BenchConfig  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 NOTES = [
+    "MFU: tokens/s x model FLOPs per token (6 N + 12 L T d, N without the embeddings: lightning_ampzero/flops.py)"
+    " / the GEMM peak of all ranks, measured by every rank at once at the start of each launch with the"
+    " threads the systems run with (fp32 for 32-true; the faster of bf16 and fp32 for the bf16 precisions);"
+    " median over launches.",
     "Every configuration of a repetition runs in the same two torchrun processes, one after the other; the"
     " repetitions are separate launches. Within a repetition the configurations are grouped by (precision,"
     " stage) so that the systems compared run back to back; the order of systems in a group rotates from"
@@ -132,6 +138,9 @@ def run_cpu(args: argparse.Namespace) -> list[Path]:
     reps = args.reps or suite.repetitions
     workload = json.loads(args.workload) if args.workload else {}
     stem = args.stem or {"full": "cpu", "quick": "cpu_quick"}.get(suite.name, f"cpu_{suite.name}")
+    # The committed results this run is guarded against, read before this run overwrites them.
+    guard_path = Path(args.guard) if args.guard else (Path(args.out) / f"{stem}.json" if suite.name == "quick" else None)
+    baseline = json.loads(guard_path.read_text()) if guard_path is not None and guard_path.is_file() else None
     start = time.perf_counter()
     env_info = report.environment(args.python)
     rep_results = []
@@ -170,10 +179,25 @@ def run_cpu(args: argparse.Namespace) -> list[Path]:
         "command": " ".join(["python benchmarks/run.py", *map(shlex.quote, args.argv)]),
     })
     result["targets"] = report.targets(result)
+    verdict = None
+    if guard_path is not None and not args.no_guard:
+        from benchmarks.suite import guard
+
+        if baseline is None:
+            print(f"regression guard: no baseline at {guard_path}; this run's results are the baseline from now on")
+        else:
+            verdict = guard.compare(result, baseline)
+    regressed = bool(verdict and verdict["regressions"])
+    if regressed and stem == guard_path.stem and Path(args.out).resolve() == guard_path.parent.resolve():
+        stem += "_regressed"  # a regressed run never replaces the baseline it failed against
     written = report.write(result, Path(args.out), stem, with_plots=not args.no_plots)
     print(f"done in {result['wall_s']:.0f} s; wrote " + ", ".join(str(p.relative_to(ROOT)) if p.is_relative_to(ROOT)
                                                                else str(p) for p in written))
     print(report.summary_table(result))
+    if verdict is not None:
+        print(guard.render(verdict, str(guard_path)))
+    if regressed:
+        raise SystemExit(1)
     return written
 
 
@@ -197,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stem", default="", help="output file name stem (default cpu / cpu_quick)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per repetition")
+    p.add_argument("--guard", default="", help="results JSON to guard against (default for --quick:"
+                   " the committed results/cpu_quick.json); exit 1 when a ratio is more than 15%% worse")
+    p.add_argument("--no-guard", action="store_true", help="skip the regression guard")
     p.add_argument("--from-json", default="", help="rewrite the markdown and plots of an earlier run's JSON")
     p.add_argument("--gpu", action="store_true", help="run the single-GPU suite instead (benchmarks/suite/gpu.py;"
                    " its options: --dry-run, --only, --batch, --steps, ...)")

@@ -551,6 +551,12 @@ def train(app: TrainAppConfig, job_dir: Path) -> Optional[dict[str, Any]]:
         checkpointing="full" if every_block else "none",
     )
     callbacks: list[Any] = [summary_cb, memory]
+    profiler = None
+    if app.run.profile_steps:
+        from lightning_ampzero.cli.profile import StepProfile
+
+        profiler = StepProfile(app.run.profile_steps)
+        callbacks.append(profiler)
     if app.trainer.enable_progress_bar:
         callbacks.append(progress_bar())
     periodic = app.run.checkpoint and app.run.checkpoint_every_n_steps is not None
@@ -587,6 +593,7 @@ def train(app: TrainAppConfig, job_dir: Path) -> Optional[dict[str, Any]]:
         return None
     summary = summary_cb.summary
     summary["memory"] = memory.report
+    summary["profile"] = profiler.result if profiler is not None else None
     summary["checkpoint"] = str(final_ckpt) if final_ckpt else None
     summary["logs"] = str(Path(logger.log_dir)) if logger else None
     summary["job_dir"] = str(job_dir)

@@ -19,12 +19,20 @@ HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def test_benchmark_harness_smoke(tmp_path):
+    # Guarded against a baseline where ampzero was 10x faster than raw FSDP2: the regression guard
+    # must fail the run (exit 1) naming that ratio, and still write this run's results.
+    baseline = tmp_path / "baseline" / "smoke.json"
+    baseline.parent.mkdir()
+    baseline.write_text(json.dumps({"ratios": {"ampzero/s2/32-true vs_fsdp2": {
+        "config": "ampzero/s2/32-true", "kind": "vs_fsdp2", "median": 0.1}}}))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--suite", "smoke", "--out", str(tmp_path),
-           "--stem", "smoke", "--timeout", "240"]
+           "--stem", "smoke", "--timeout", "240", "--guard", str(baseline)]
     if not HAVE_MATPLOTLIB:
         cmd.append("--no-plots")
     proc = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ampzero/s2/32-true vs_fsdp2" in proc.stdout and "REGRESSED" in proc.stdout
+    assert "1 regression(s)" in proc.stdout
     result = json.loads((tmp_path / "smoke.json").read_text())
 
     # provenance: machine, date, versions
@@ -46,6 +54,8 @@ def test_benchmark_harness_smoke(tmp_path):
         assert e["step_ms"]["min"] <= e["step_ms"]["median"] <= e["step_ms"]["max"]
         assert e["step_ms"]["n_steps"] == w["steps"]
         assert e["tokens_per_s"] > 0 and e["cpu_ms"]["median"] > 0
+        assert 0 < e["mfu"] < 1 and e["gemm_peak_flops"] > 0
+        assert e["mfu"] == e["tokens_per_s"] * result["model_flops_per_token"] / e["gemm_peak_flops"]
         assert e["peak_rss"]["max_rank"] > 0 and len(e["peak_rss"]["per_rank"]) == 2
         assert len(e["losses"]) == w["warmup"] + w["steps"] + 1
         assert e["numel"] == result["numel"]
@@ -78,3 +88,25 @@ def test_benchmark_harness_smoke(tmp_path):
     assert (tmp_path / "smoke_summary.md").read_text().startswith("| stage |")
     if HAVE_MATPLOTLIB:
         assert (tmp_path / "smoke_step_time.png").stat().st_size > 0
+
+
+def test_regression_guard_compares_same_launch_ratios():
+    from benchmarks.suite import guard
+
+    def ratios(**medians):
+        return {"ratios": {f"{c} {k}": {"config": c, "kind": k, "median": m}
+                           for (c, k), m in ((tuple(key.split("__")), v) for key, v in medians.items())}}
+
+    base = ratios(**{"ampzero/s1/32-true__vs_fsdp2": 1.00, "ampzero/s2/32-true__vs_fsdp2": 1.20,
+                     "ampzero/s3/32-true__vs_deepspeed": 1.0, "lightning_ddp/s0/32-true__vs_ddp": 1.0})
+    now = ratios(**{"ampzero/s1/32-true__vs_fsdp2": 1.16, "ampzero/s2/32-true__vs_fsdp2": 1.30,
+                    "lightning_ddp/s0/32-true__vs_ddp": 2.0})
+    verdict = guard.compare(now, base)
+    assert [r["ratio"] for r in verdict["regressions"]] == ["ampzero/s1/32-true vs_fsdp2"]  # +16% > 15%
+    assert [r["ratio"] for r in verdict["checked"]] == ["ampzero/s1/32-true vs_fsdp2", "ampzero/s2/32-true vs_fsdp2"]
+    assert verdict["unmatched"] == [{"ratio": "ampzero/s3/32-true vs_deepspeed", "in": "the baseline"}]
+    # A loss-parity target met in the baseline and missed now is a regression too.
+    base["targets"] = [{"target": "loss parity ampzero/s2/32-true vs ddp", "met": True, "value": 0, "limit": 1e-4}]
+    now["targets"] = [{"target": "loss parity ampzero/s2/32-true vs ddp", "met": False, "value": 1e-3, "limit": 1e-4}]
+    assert len(guard.compare(now, base)["regressions"]) == 2
+    assert "2 regression(s)" in guard.render(guard.compare(now, base), "b.json")

@@ -86,7 +86,8 @@ def test_multirun_runs_each_job_with_two_processes_in_its_own_dir(tmp_path):
 
 def test_stage3_fp16_run_reports_loss_scale(tmp_path):
     """Acceptance 2: a run with overrides for stage 3 and 16-mixed finishes."""
-    proc = _run(["strategy=zero3", "precision=16-mixed", "strategy.reduce_bucket_size=5e4", *QUICK], tmp_path)
+    proc = _run(["strategy=zero3", "precision=16-mixed", "strategy.reduce_bucket_size=5e4", "run.profile_steps=5",
+                 *QUICK], tmp_path)
     if proc.returncode != 0 and re.search(r"not available.*yet", proc.stderr):
         pytest.xfail("16-mixed is not implemented yet")
     assert proc.returncode == 0, _output(proc)
@@ -98,6 +99,16 @@ def test_stage3_fp16_run_reports_loss_scale(tmp_path):
     assert "loss scale" in proc.stdout
     resolved = json.loads((jobs[0] / ".ampzero" / "job.json").read_text())["config"]
     assert resolved["strategy"]["reduce_bucket_size"] == 5e4
+    # run.profile_steps: each rank's profiled step split by category; the parts add up to the step.
+    profile = summary["profile"]
+    assert profile["steps"] == 5 and [r["rank"] for r in profile["ranks"]] == [0, 1]
+    for r in profile["ranks"]:
+        parts = r["seconds_per_step"]
+        assert sum(parts.values()) == pytest.approx(r["step_s"], rel=0.02), parts
+        assert parts["gemm"] > 0 and parts["communication"] > 0 and parts["optimizer"] > 0, parts
+        assert r["gemm_flops_per_step"] > 0
+    assert 0 < summary["mfu"] < 1
+    assert "where the step time goes" in proc.stdout and "of the step in GEMMs" in proc.stdout
 
 
 def test_offload_activation_checkpointing_and_fp8_run(tmp_path):
@@ -150,7 +161,9 @@ def test_default_run_trains_the_shipped_corpus_in_about_two_minutes(tmp_path):
     mem = summary["memory"]
     assert mem["per_rank"][0]["grads"] == pytest.approx(mem["estimate"]["gpu_grads"], rel=0.05)
     assert mem["per_rank"][0]["working"] == pytest.approx(mem["estimate"]["gpu_working"], rel=0.1)
-    for text in ("ampzero-train summary", "train loss", "tokens/s", "memory per rank", "checkpoint"):
+    # MFU: model FLOPs per second over the GEMM peak the ranks measured (lightning_ampzero/flops.py).
+    assert 0.01 < summary["mfu"] < 1 and summary["gemm_peak_flops"] > 0
+    for text in ("ampzero-train summary", "train loss", "tokens/s", "MFU", "memory per rank", "checkpoint"):
         assert text in proc.stdout
     assert elapsed < 300, f"the default run took {elapsed:.0f} s"
 

@@ -128,6 +128,19 @@ def _model_state(cfg: BenchConfig, ranks: list[dict], numel: int, world: int) ->
     return {"measured": measured, "formula": f, "ratio": ratio, "offloaded": bool(cfg.offload), **extra}
 
 
+def _model_flops_per_token(w: dict) -> float:
+    """``6 N + 12 L T d`` of the workload's GPT (lightning_ampzero/flops.py), built on the meta device."""
+    import torch
+
+    from lightning_ampzero.flops import model_flops_per_token
+    from lightning_ampzero.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=w["vocab"], block_size=w["seq"], n_layer=w["n_layer"],
+                              n_head=w["n_head"], n_embd=w["n_embd"]))
+    return model_flops_per_token(model, w["seq"])
+
+
 def aggregate(reps: list[dict]) -> dict:
     """Records of all repetitions -> one entry per configuration, in first-seen order."""
     by_name: dict[str, list[dict]] = {}
@@ -137,6 +150,8 @@ def aggregate(reps: list[dict]) -> dict:
             by_name.setdefault(rec["config"], []).append(rec)
     w = meta["workload"]
     world = meta["world"]
+    flops_per_token = _model_flops_per_token(w)
+    peaks = [r["meta"].get("gemm_peak_flops") for r in reps if r["meta"].get("gemm_peak_flops")]
     out: dict[str, Any] = {}
     for name, recs in by_name.items():
         cfg = BenchConfig.from_name(name)
@@ -174,6 +189,11 @@ def aggregate(reps: list[dict]) -> dict:
             "raw": {"step_s": {str(r["rep"]): _per_step_max(r["ranks"]) for r in ok},
                     "cpu_s": {str(r["rep"]): _per_step_cpu(r["ranks"]) for r in ok}},
         })
+        if peaks:
+            # MFU: model FLOPs per second over the GEMM peak of all ranks (median over launches).
+            key = "32-true" if cfg.precision == "32-true" else "bf16"
+            entry["gemm_peak_flops"] = _median([p[key] for p in peaks])
+            entry["mfu"] = entry["tokens_per_s"] * flops_per_token / entry["gemm_peak_flops"]
         comm = [x["comm"] for x in first if x.get("comm")]
         if comm:
             f = formula_elements(numel, cfg.stage, w["accumulate"])
@@ -184,7 +204,7 @@ def aggregate(reps: list[dict]) -> dict:
             entry["offloaded"] = first[0]["offloaded"]
         out[name] = entry
     _parity(out)
-    return {"configs": out, "ratios": _ratios(by_name), "targets": None}
+    return {"configs": out, "ratios": _ratios(by_name), "targets": None, "model_flops_per_token": flops_per_token}
 
 
 def _parity(configs: dict) -> None:
@@ -292,6 +312,10 @@ def _mib(n: Optional[float]) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def _f(x: float, nd: int = 2) -> str:
     return f"{x:.{nd}f}"
 
@@ -347,13 +371,13 @@ def markdown(result: dict) -> str:
               "step ms: median over repetitions of the per-repetition median [min-max]; RSS: peak per rank"
               " (max over ranks) and growth over the configuration's start; model states and communication"
               " per rank in the profiled step, measured / formula; loss: final step, mean over ranks.", "",
-              "| config | precision | step ms | CPU ms | tokens/s | peak RSS MiB | RSS growth MiB | model states MiB (meas. / formula) |"
+              "| config | precision | step ms | CPU ms | tokens/s | MFU | peak RSS MiB | RSS growth MiB | model states MiB (meas. / formula) |"
               " comm elements / formula | comm MiB (by dtype) | calls | final loss | parity (max rel. diff) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in result["configs"].items():
         if e.get("status") not in ("ok", "partial"):
             lines.append(f"| {name} | {e['precision_label']} | {e['status']}: {str(e.get('message'))[:80]} |"
-                         + " |" * 10)
+                         + " |" * 11)
             continue
         s = e["step_ms"]
         ms = e.get("model_state")
@@ -368,7 +392,7 @@ def markdown(result: dict) -> str:
         par_txt = f"{par['max_rel_diff']:.1e}" + ("" if par["ok"] else " **over tol.**") if par else "-"
         lines.append(
             f"| {name} | {e['precision_label']} | {s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}] |"
-            f" {e['cpu_ms']['median']:.1f} | {e['tokens_per_s']:.0f} | {_mib(e['peak_rss']['max_rank'])} | {_mib(e['rss_growth'])} | {ms_txt} |"
+            f" {e['cpu_ms']['median']:.1f} | {e['tokens_per_s']:.0f} | {_pct(e.get('mfu'))} | {_mib(e['peak_rss']['max_rank'])} | {_mib(e['rss_growth'])} | {ms_txt} |"
             f" {c_txt} | {c_mib} | {c['calls'] if c else '-'} | {e['losses'][-1]:.5f} | {par_txt} |")
     lines += ["", "## Model states per rank by category (MiB, measured / formula)", "",
               "| config | params | grads | optimizer (+ fp32 master) | DeepSpeed buckets (virtual) |", "|---|---|---|---|---|"]
@@ -505,5 +529,12 @@ def write(result: dict, out_dir: Path, stem: str, with_plots: bool = True) -> li
     written[1].write_text(markdown(result))
     written[2].write_text(summary_table(result))
     if with_plots:
-        written += plots(result, out_dir, stem)
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            # Noticed after the run, not before it: the results above are kept either way.
+            print("matplotlib is not installed: no plots (pip install matplotlib, then --from-json"
+                  f" {written[0]} redraws them)", flush=True)
+        else:
+            written += plots(result, out_dir, stem)
     return written

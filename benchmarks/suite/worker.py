@@ -101,6 +101,14 @@ def main() -> None:
     _quiet()
     records = []
     threads = torch.get_num_threads()
+    # The MFU bar: every rank's GEMM peak, measured at once with the threads the systems run with.
+    from lightning_ampzero.flops import precision_peak_flops
+
+    dist.barrier()
+    local_peaks = {p: precision_peak_flops(p) for p in ("32-true", "bf16")}
+    all_peaks: list = [None] * world
+    dist.all_gather_object(all_peaks, local_peaks)
+    gemm_peak = {p: sum(r[p] for r in all_peaks) for p in local_peaks}
     names = ([args.prime] if args.prime else []) + args.configs.split(",")
     for k, name in enumerate(names):
         cfg = BenchConfig.from_name(name)
@@ -124,7 +132,8 @@ def main() -> None:
             print(f"[rep {args.rep}] {cfg.name:32s} {status}", flush=True)
     if rank == 0:
         meta = {"suite": args.suite, "workload": w.as_dict(), "rep": args.rep, "world": world,
-                "threads": torch.get_num_threads(), "rss_after_imports": status_kib("VmRSS") * 1024}
+                "threads": torch.get_num_threads(), "rss_after_imports": status_kib("VmRSS") * 1024,
+                "gemm_peak_flops": gemm_peak}
         Path(args.out).write_text(json.dumps({"meta": meta, "records": records}))
     dist.barrier()
     dist.destroy_process_group()

@@ -5,6 +5,8 @@
 * losses of every optimizer step (averaged over ranks), and the last validation loss;
 * throughput: tokens of all ranks per second of training, counted from the end of the first
   optimizer step (start-up, the first all-gathers and allocator warm-up excluded);
+* model FLOP utilisation: model FLOPs per second (lightning_ampzero/flops.py) over the GEMM peak
+  that every rank measures at the end of training, all at once, with the threads it trained with;
 * loss-scale statistics when the precision plugin has a dynamic loss scaler (fp16), or the
   overflow counts of a bf16/fp32 overflow check.
 
@@ -23,6 +25,8 @@ import torch
 
 from lightning.pytorch.callbacks import Callback
 
+from lightning_ampzero.flops import model_flops_per_token, precision_peak_flops
+
 
 class SummaryCallback(Callback):
     """Measures a run (see the module docstring); ``summary`` holds the result on rank 0."""
@@ -37,6 +41,7 @@ class SummaryCallback(Callback):
         self._t_mark: Optional[float] = None
         self._t_start = time.perf_counter()
         self._step_losses: list[float] = []
+        self._seq_len = 0
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -44,6 +49,7 @@ class SummaryCallback(Callback):
             self._step_losses.append(float(loss.detach().float()))
         x = batch[0] if isinstance(batch, (list, tuple)) else batch
         self._tokens += int(x.numel())
+        self._seq_len = int(x.shape[-1]) if x.dim() > 0 else 1
         if not self._is_step_boundary(trainer):
             return
         self._losses.append(sum(self._step_losses) / max(1, len(self._step_losses)))
@@ -67,6 +73,8 @@ class SummaryCallback(Callback):
             "tokens_after_first_step": self._tokens - self._tokens_at_mark,
             "seconds_after_first_step": (now - self._t_mark) if self._t_mark is not None else None,
             "train_seconds": now - self._t_start,
+            # After the clock stopped: every rank at once, as they trained (threads, neighbours).
+            "gemm_peak_flops": precision_peak_flops(str(trainer.precision), trainer.strategy.root_device),
         }
         gathered = _all_gather_object(local, trainer.world_size)
         if not trainer.is_global_zero:
@@ -82,6 +90,9 @@ class SummaryCallback(Callback):
         tokens_after = sum(r["tokens_after_first_step"] for r in ranks)
         numel = sum(p.numel() for p in pl_module.parameters())
         val = trainer.callback_metrics.get("val_loss")
+        tokens_per_s = tokens_after / max(seconds) if seconds else None
+        flops_per_token = model_flops_per_token(pl_module, self._seq_len) if self._seq_len else None
+        peak = sum(r["gemm_peak_flops"] for r in ranks)
         return {
             "stage": app.strategy.stage,
             "precision": str(trainer.precision),
@@ -95,7 +106,10 @@ class SummaryCallback(Callback):
             "loss_window": window,
             "val_loss": float(val) if val is not None else None,
             "tokens": sum(r["tokens"] for r in ranks),
-            "tokens_per_s": tokens_after / max(seconds) if seconds else None,
+            "tokens_per_s": tokens_per_s,
+            "model_flops_per_token": flops_per_token,
+            "gemm_peak_flops": peak,
+            "mfu": tokens_per_s * flops_per_token / peak if tokens_per_s and flops_per_token and peak else None,
             "train_seconds": max(r["train_seconds"] for r in ranks),
             "loss_scale": self._loss_scale(trainer),
             "features": self._features(trainer, pl_module),
@@ -206,6 +220,10 @@ def render_summary(summary: dict[str, Any], console: Any = None) -> None:
         table.add_row("val loss", f"{summary['val_loss']:.4f}")
     if summary.get("tokens_per_s"):
         table.add_row("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s (all processes, after the first step)")
+    if summary.get("mfu"):
+        achieved = summary["tokens_per_s"] * summary["model_flops_per_token"]
+        table.add_row("MFU", f"{summary['mfu']:.1%}: {achieved / 1e9:,.1f} GFLOP/s of model work over a"
+                      f" {summary['gemm_peak_flops'] / 1e9:,.0f} GFLOP/s GEMM peak measured by all processes")
     table.add_row("train time", f"{summary['train_seconds']:.1f} s")
     scale = summary.get("loss_scale")
     if scale:
@@ -223,3 +241,7 @@ def render_summary(summary: dict[str, Any], console: Any = None) -> None:
         from lightning_ampzero.callbacks import render_memory_report
 
         render_memory_report(summary["memory"], console)
+    if summary.get("profile"):
+        from lightning_ampzero.cli.profile import render_profile
+
+        render_profile(summary["profile"], summary, console)
