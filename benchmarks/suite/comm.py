@@ -75,6 +75,18 @@ def _first_shape_numel(dims: Any) -> int:
     return _numel(dims)
 
 
+_TORCH_DTYPES = {"torch.float32": "float", "torch.bfloat16": "c10::BFloat16", "torch.float16": "c10::Half",
+                 "torch.float64": "double", "torch.uint8": "unsigned char", "torch.int32": "int"}
+
+
+def _count(kinds: dict, by_dtype: dict, kind: str, moved: int, dtype: str) -> None:
+    k = kinds.setdefault(kind, {"calls": 0, "elements": 0, "bytes": 0})
+    k["calls"] += 1
+    k["elements"] += moved
+    k["bytes"] += moved * DTYPE_BYTES.get(dtype, 4)
+    by_dtype[DTYPE_NAMES.get(dtype, dtype)] += moved * DTYPE_BYTES.get(dtype, 4)
+
+
 def parse_trace(path: str) -> dict:
     """Collectives of one profiled step: totals (elements, bytes by dtype) and per kind."""
     with open(path) as f:
@@ -88,6 +100,10 @@ def parse_trace(path: str) -> dict:
         types = args.get("Input type") or []
         pool[_first_shape_numel(args.get("Input Dims"))].append(types[0] if types else "?")
     ops = sorted((e for e in events if str(e.get("name", "")).startswith("c10d::")), key=lambda e: e["ts"])
+    # lightning_ampzero's gloo reduce-scatter / all-gather done by an all-reduce (zero/comm.py): the
+    # all-reduce under such a label counts as the collective it stands for, in the label's dtype.
+    labels = [e for e in events if str(e.get("name", "")).startswith(("ampzero::reduce_scatter#",
+                                                                     "ampzero::all_gather#"))]
     kinds: dict[str, dict] = {}
     unparsed: dict[str, int] = defaultdict(int)
     elements = 0
@@ -104,6 +120,17 @@ def parse_trace(path: str) -> dict:
         types = args.get("Input type") or []
         counted = dims[index] if index < len(dims) else []
         n = _numel(counted)
+        label = next((lb for lb in labels if name == "c10d::allreduce_" and lb.get("tid") == e.get("tid")
+                      and lb["ts"] <= e["ts"] <= lb["ts"] + lb.get("dur", 0)), None)
+        if label is not None:
+            stands_for, torch_dtype = label["name"].split("::", 1)[1].split("#", 1)
+            dtype = _TORCH_DTYPES.get(torch_dtype, "?")
+            key = _first_shape_numel(counted)
+            wire_type = pool[key].pop(0) if pool.get(key) else "?"
+            n = n * DTYPE_BYTES.get(wire_type, 4) // DTYPE_BYTES.get(dtype, 4)  # all-gather: sent as integers
+            _count(kinds, by_dtype, stands_for, n, dtype)
+            elements += n
+            continue
         # the gloo work this op started: its input is the op's input (all-gather: the shard)
         key = _first_shape_numel(dims[1] if kind == "all_gather" and len(dims) > 1 else counted)
         work_dtype = pool[key].pop(0) if pool.get(key) else "?"
@@ -111,12 +138,8 @@ def parse_trace(path: str) -> dict:
         if dtype not in DTYPE_BYTES:  # "TensorList"
             dtype = work_dtype
         moved = factor * n
-        k = kinds.setdefault(kind, {"calls": 0, "elements": 0, "bytes": 0})
-        k["calls"] += 1
-        k["elements"] += moved
-        k["bytes"] += moved * DTYPE_BYTES.get(dtype, 4)
+        _count(kinds, by_dtype, kind, moved, dtype)
         elements += moved
-        by_dtype[DTYPE_NAMES.get(dtype, dtype)] += moved * DTYPE_BYTES.get(dtype, 4)
     return {
         "elements": elements,
         "bytes": sum(by_dtype.values()),

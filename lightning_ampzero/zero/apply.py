@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_ampzero.config import ZeroConfig
-from lightning_ampzero.zero.comm import LowPrecisionReduceScatter
+from lightning_ampzero.zero.comm import LowPrecisionReduceScatter, install_gloo_comms
 from lightning_ampzero.zero.buffers import buffer_broadcast_of, install_buffer_broadcast
 from lightning_ampzero.zero.units import Unit, plan_units, region
 
@@ -203,8 +203,12 @@ def apply_zero(
         comm_dtype = getattr(policy, "comm_dtype", None)
         if comm_dtype is not None:  # [precision] see [Note: stage 1 accumulation dtype] in comm.py
             group.modules[0].set_custom_reduce_scatter(LowPrecisionReduceScatter(comm_dtype))
+        if mesh.ndim == 1:  # [Note: gloo collectives through all-reduce] in comm.py (no-op off gloo)
+            install_gloo_comms(group.modules[0], mesh.get_group(), reduce_scatter=comm_dtype is None)
         groups.append(group)
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)
+    if mesh.ndim == 1:
+        install_gloo_comms(model, mesh.get_group())
     # [Note: buffer broadcast] in zero/buffers.py: running statistics as DDP keeps them.
     # Every rank of the mesh holds a replica of the buffers (FSDP2 shards parameters only).
     install_buffer_broadcast(model, mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())
