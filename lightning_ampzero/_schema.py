@@ -30,6 +30,21 @@ def check_choice(owner: str, field: str, value: Any, allowed: Iterable[Any]) -> 
         )
 
 
+def check_class_names(owner: str, field: str, value: Any) -> tuple[str, ...]:
+    """A list of class names (``zero.wrap_modules``, ``compile.modules``, ...) as a tuple, or a ValueError.
+
+    Hydra hands lists; the frozen configs keep a tuple, so they stay hashable. A lone string is
+    refused rather than read as a sequence of one-letter names.
+    """
+    if isinstance(value, str):
+        raise ValueError(f"{owner}.{field} must be a list of class names, got the string {value!r}.")
+    names = tuple(value)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{owner}.{field} must hold class names, got {name!r}.")
+    return names
+
+
 def check_number(owner: str, field: str, value: Any, *, minimum: float | None = None, integral: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{owner}.{field} must be a number, got {value!r} ({type(value).__name__}).")

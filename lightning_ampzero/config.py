@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lightning_ampzero._schema import FromDict, check_choice, check_number
+from lightning_ampzero._schema import FromDict, check_choice, check_class_names, check_number
 
 STAGES = (0, 1, 2, 3)
 
@@ -93,11 +93,7 @@ class ZeroConfig(FromDict, section="zero"):
             )
         if self.process_group_backend is not None:
             check_choice(owner, "process_group_backend", self.process_group_backend, ("nccl", "gloo", "mpi"))
-        # Hydra hands lists; keep the frozen config hashable.
-        object.__setattr__(self, "wrap_modules", tuple(self.wrap_modules))
-        for name in self.wrap_modules:
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"zero.wrap_modules must hold class names, got {name!r}.")
+        object.__setattr__(self, "wrap_modules", check_class_names(owner, "wrap_modules", self.wrap_modules))
 
     @property
     def watchdog_seconds(self) -> float:
@@ -414,12 +410,7 @@ class ActivationCheckpointingConfig(FromDict, section="activation_checkpointing"
                     f"{owner}.number_checkpoints={self.number_checkpoints} and {owner}.every_n={self.every_n} both"
                     " choose which blocks are checkpointed: set one of them."
                 )
-        if isinstance(self.modules, str):
-            raise ValueError(f"{owner}.modules must be a list of class names, got the string {self.modules!r}.")
-        object.__setattr__(self, "modules", tuple(self.modules))
-        for name in self.modules:
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"{owner}.modules must hold class names, got {name!r}.")
+        object.__setattr__(self, "modules", check_class_names(owner, "modules", self.modules))
         if self.mode == "none":
             default = ActivationCheckpointingConfig.__dataclass_fields__
             changed = [n for n in (*flags, "modules", "every_n", "number_checkpoints")
@@ -471,12 +462,7 @@ class CompileConfig(FromDict, section="compile"):
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"{owner}.backend must name a torch.compile backend such as 'inductor', got"
                              f" {self.backend!r}.")
-        if isinstance(self.modules, str):
-            raise ValueError(f"{owner}.modules must be a list of class names, got the string {self.modules!r}.")
-        object.__setattr__(self, "modules", tuple(self.modules))
-        for name in self.modules:
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"{owner}.modules must hold class names, got {name!r}.")
+        object.__setattr__(self, "modules", check_class_names(owner, "modules", self.modules))
         if not self.enabled:
             default = CompileConfig.__dataclass_fields__
             changed = [n for n in ("modules", "backend", "mode", "fullgraph", "dynamic")
