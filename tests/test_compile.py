@@ -35,6 +35,22 @@ def test_bad_settings_are_refused_naming_the_key(kwargs, match):
         CompileConfig(**kwargs)
 
 
+@pytest.mark.parametrize("field", ["zero.wrap_modules", "activation_checkpointing.modules", "compile.modules"])
+def test_class_name_lists_refuse_a_lone_string(field):
+    # A string is a sequence: ("B", "l", "o", "c", "k") used to pass as wrap_modules.
+    from lightning_ampzero.config import ZeroConfig
+
+    section, key = field.split(".")
+    build = {"zero": lambda v: ZeroConfig(wrap_modules=v),
+             "activation_checkpointing": lambda v: ActivationCheckpointingConfig(mode="full", modules=v),
+             "compile": lambda v: CompileConfig(enabled=True, modules=v)}[section]
+    with pytest.raises(ValueError, match=f"{field} must be a list of class names, got the string 'Block'"):
+        build("Block")
+    with pytest.raises(ValueError, match=f"{field} must hold class names, got 3"):
+        build(["Block", 3])
+    assert getattr(build(["Block"]), key) == ("Block",)
+
+
 @pytest.mark.parametrize("option", ["cpu_checkpointing", "contiguous_memory_optimization", "profile",
                                     "synchronize_checkpoint_boundary"])
 def test_checkpointing_options_that_would_stay_uncompiled_are_refused(option):
