@@ -40,9 +40,9 @@ STRATEGY_VARIANTS = {
         {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
     ),
     "ampzero_stage_3_offload_nvme": (
-        "AmpZero ZeRO-Infinity, stage 3: optimizer state in files under nvme_path (default: under the Trainer's"
-        " default_root_dir), parameter shards (on GPUs) in host memory",
-        {"stage": 3, "offload_optimizer": "nvme", "offload_param": "cpu"},
+        "AmpZero ZeRO-Infinity, stage 3: optimizer state and parameter shards in files under nvme_path (default:"
+        " under the Trainer's default_root_dir), as Lightning's deepspeed_stage_3_offload_nvme",
+        {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"},
     ),
 }
 

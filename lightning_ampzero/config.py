@@ -488,11 +488,17 @@ class OffloadConfig(FromDict, section="offload"):
         offload_optimizer: ``none``, ``cpu`` or ``nvme``: where the fp32 master weights and the Adam
             moments live (stages 1-3). The optimizer step runs on the host (vectorized AdamW),
             ``sub_group_size`` elements at a time.
-        offload_param: ``none`` or ``cpu`` (stage 3): parameter shards live in host memory and are
-            copied to the accelerator for each all-gather (FSDP2's CPUOffloadPolicy; needs an
-            accelerator). ``nvme`` is not implemented.
-        nvme_path: directory for ``nvme`` swap files (on a fast local drive). ``None`` = a directory
-            under the Trainer's ``default_root_dir`` (with a warning).
+        offload_param: ``none``, ``cpu`` or ``nvme`` (stage 3). ``cpu``: parameter shards live in host
+            memory and are copied to the accelerator for each all-gather (FSDP2's CPUOffloadPolicy);
+            with ``accelerator="cpu"``, where they live in host memory already, it swaps them to
+            tmpfs (``/dev/shm``) as ``nvme`` does to a drive. ``nvme`` (ZeRO-Infinity): each rank's
+            shards live in a swap file under ``nvme_path`` and are read back into
+            ``param_buffer_count`` buffers just before their unit's all-gather
+            (lightning_ampzero/offload/params.py). Both swapping forms need ``offload_optimizer``
+            ``cpu`` or ``nvme``: the host step writes the updated parameters into the file.
+        nvme_path: directory for ``nvme`` swap files (on a fast local drive), optimizer and
+            parameters alike. ``None`` = a directory under the Trainer's ``default_root_dir`` (with a
+            warning).
         pin_memory: page-locked host buffers, so host-device copies are asynchronous. Applied only
             where an accelerator exists (pinning fails on a CPU-only machine).
         buffer_count: ``nvme``: host buffers for optimizer state, each one state tensor of one tile
@@ -500,7 +506,14 @@ class OffloadConfig(FromDict, section="offload"):
             ``buffer_count // 3`` tiles are in flight: the resident state is at most
             ``buffer_count * sub_group_size * 4`` bytes.
         sub_group_size: elements per optimizer tile: the unit of the host step and of NVMe I/O.
-        io_threads: ``nvme``: background threads reading and writing tiles.
+        io_threads: ``nvme``: background threads reading and writing tiles (each store its own).
+        param_buffer_count: swapped parameters: host buffers for the shards being all-gathered or read
+            ahead (DeepSpeed's ``offload_param.buffer_count``). A unit takes one buffer per
+            ``param_buffer_size`` elements of its shards; parameter memory is at most
+            ``param_buffer_count * param_buffer_size`` elements (each buffer no larger than the
+            largest unit needs).
+        param_buffer_size: swapped parameters: elements per buffer (DeepSpeed's
+            ``offload_param.buffer_size``); at least the largest parameter shard of a rank.
     """
 
     offload_optimizer: str = "none"
@@ -510,29 +523,43 @@ class OffloadConfig(FromDict, section="offload"):
     buffer_count: int = 6
     sub_group_size: float = 1e8
     io_threads: int = 2
+    param_buffer_count: int = 5
+    param_buffer_size: float = 1e8
 
     def __post_init__(self) -> None:
         owner = "offload"
         check_choice(owner, "offload_optimizer", self.offload_optimizer, OFFLOAD_DEVICES)
         check_choice(owner, "offload_param", self.offload_param, OFFLOAD_DEVICES)
-        if self.offload_param == "nvme":
+        if self.offload_param == "nvme" and self.offload_optimizer == "none":
             raise ValueError(
-                "offload.offload_param='nvme' (ZeRO-Infinity parameter swapping) is not implemented. Use"
-                " offload_param='cpu' (stage 3, on an accelerator), and offload_optimizer='nvme' for the optimizer"
-                " state, which is most of the model-state memory (12 of 16 bytes per parameter)."
+                "offload.offload_param='nvme' needs offload_optimizer='cpu' or 'nvme': the host optimizer step"
+                " updates the swapped parameters tile by tile, straight into their swap file, where a torch"
+                " optimizer would step every parameter at once and need the whole shard in memory. Set"
+                " offload_optimizer='nvme' (ZeRO-Infinity) or 'cpu'."
             )
         if not isinstance(self.pin_memory, bool):
             raise ValueError(f"offload.pin_memory must be true or false, got {self.pin_memory!r}.")
         check_number(owner, "buffer_count", self.buffer_count, minimum=3, integral=True)
         check_number(owner, "sub_group_size", self.sub_group_size, minimum=1, integral=True)
         check_number(owner, "io_threads", self.io_threads, minimum=1, integral=True)
+        check_number(owner, "param_buffer_count", self.param_buffer_count, minimum=1, integral=True)
+        check_number(owner, "param_buffer_size", self.param_buffer_size, minimum=1, integral=True)
+        if self.offload_param == "none":
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            changed = [n for n in ("param_buffer_count", "param_buffer_size") if getattr(self, n) != defaults[n]]
+            if changed:
+                raise ValueError(
+                    f"offload.{changed[0]}={getattr(self, changed[0])!r} is set but offload.offload_param='none':"
+                    " only swapped parameters use it. Set offload_param='nvme' or remove the setting."
+                )
         if self.nvme_path is not None:
             if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):
                 raise ValueError(f"offload.nvme_path must be a directory path, got {self.nvme_path!r}.")
-            if self.offload_optimizer != "nvme":
+            if "nvme" not in (self.offload_optimizer, self.offload_param):
                 raise ValueError(
-                    f"offload.nvme_path={str(self.nvme_path)!r} is set but offload.offload_optimizer="
-                    f"{self.offload_optimizer!r}: only 'nvme' uses it. Set offload_optimizer='nvme' or remove nvme_path."
+                    f"offload.nvme_path={str(self.nvme_path)!r} is set but neither offload.offload_optimizer="
+                    f"{self.offload_optimizer!r} nor offload.offload_param={self.offload_param!r} is 'nvme': only"
+                    " 'nvme' uses it. Set one of them to 'nvme' or remove nvme_path."
                 )
             object.__setattr__(self, "nvme_path", str(self.nvme_path))
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from lightning_ampzero.config import STAGES, ZeroConfig
+from lightning_ampzero.config import STAGES, OffloadConfig, ZeroConfig
 from lightning_ampzero.memory import zero_formula
 
 __all__ = [
@@ -54,6 +54,8 @@ __all__ = [
     "gpt_activations",
     "gpt_size",
     "model_size",
+    "nvme_buffer_bytes",
+    "nvme_traffic",
     "parse_bytes",
     "parse_count",
     "plan",
@@ -263,6 +265,8 @@ class Estimate:
     part: gathered parameters and unsharded gradients of the units in use (stages 2-3), or DDP's
     gradient bucket copies (stage 0). ``deepspeed_gpu`` / ``deepspeed_cpu`` are DeepSpeed's
     estimator figures for the same stage and offload, ``None`` where it has none (stages 0-1, NVMe).
+    ``nvme_read`` / ``nvme_written``: bytes each rank reads from / writes to its NVMe swap files per
+    optimizer step with one micro-batch (:func:`nvme_traffic`).
     """
 
     stage: int
@@ -275,6 +279,8 @@ class Estimate:
     nvme: int
     deepspeed_gpu: Optional[int] = None
     deepspeed_cpu: Optional[int] = None
+    nvme_read: int = 0
+    nvme_written: int = 0
 
     @property
     def gpu(self) -> int:
@@ -347,6 +353,7 @@ def estimate(
     zero: Optional[ZeroConfig] = None,
     zero_init: bool = True,
     additional_buffer_factor: float = 1.5,
+    buffers: Optional[OffloadConfig] = None,
 ) -> Estimate:
     """Model-state bytes per GPU and per node for one stage and offload option.
 
@@ -367,7 +374,11 @@ def estimate(
       ((S + 8)·Ψ/N: 16Ψ/N for Adam, DeepSpeed's 16).
     * ``params+optimizer=cpu`` (stage 3): the GPU keeps only the working set; the fp32 shard on
       the host is the master itself (DeepSpeed keeps a 16-bit shard there too: its 18).
-    * ``nvme``: what ``cpu`` puts in host memory goes to NVMe, except the gradient shard.
+    * ``nvme``: what ``cpu`` puts in host memory goes to NVMe, except the gradient shard;
+      ``params+optimizer=nvme`` (ZeRO-Infinity) adds the parameter shard's own swap file (4Ψ/N:
+      the optimizer's master copy is a separate file). ``buffers`` (the run's
+      :class:`~lightning_ampzero.config.OffloadConfig`) adds the host buffers the swapping holds
+      (:func:`nvme_buffer_bytes`); without it they are not counted.
     * ``zero_init=False``: the model is built whole on the CPU of every process before sharding
       (built in ``__init__`` rather than ``configure_model()``, where Lightning builds it on the
       device, and our stage 3 partitioned as it is built): an fp32 copy (4Ψ) per process at start-up.
@@ -413,6 +424,10 @@ def estimate(
             cpu_rank = host
         else:
             cpu_rank, nvme_rank = FP32 * shard, host - FP32 * shard
+            if kind == "params+optimizer":
+                nvme_rank += FP32 * shard  # offload/params.py: the fp32 shards' swap file
+            if buffers is not None:
+                cpu_rank += sum(nvme_buffer_bytes(size, n_ranks, buffers, params=kind == "params+optimizer"))
     # A model built outside configure_model() (no zero_init) exists whole, in fp32, on the CPU of
     # every process before it is moved and sharded, at stage 3 too (sharded after the fact, with a
     # note: zero/materialize.py); inside configure_model() stage 3 builds it partitioned (zero/init.py).
@@ -422,8 +437,60 @@ def estimate(
 
     ds = deepspeed_estimate(psi, size.largest_layer, stage, offload, gpus_per_node=gpus_per_node, nodes=nodes,
                             zero_init=zero_init, additional_buffer_factor=additional_buffer_factor)
+    read, written = nvme_traffic(size, offload, n_ranks, zero)
     return Estimate(stage, offload, gpu_params, gpu_grads, gpu_opt, working, cpu, nvme,
-                    deepspeed_gpu=ds[1] if ds else None, deepspeed_cpu=ds[0] if ds else None)
+                    deepspeed_gpu=ds[1] if ds else None, deepspeed_cpu=ds[0] if ds else None,
+                    nvme_read=read, nvme_written=written)
+
+
+def _unit_shards(size: ModelSize, n_ranks: int) -> list[int]:
+    """Elements of each stage-3 group's shard on a rank (units, then the root), ceil-divided as FSDP2 pads."""
+    units = list(size.units) or [size.largest_unit] * max(1, size.numel // max(1, size.largest_unit))
+    if size.units:
+        units.append(size.root)
+    return [-(-u // n_ranks) for u in units if u]
+
+
+def nvme_buffer_bytes(size: ModelSize, n_ranks: int, offload: OffloadConfig, *, params: bool = True) -> tuple[int, int]:
+    """Host bytes a rank's NVMe offload holds in buffers: (parameter pool, optimizer tiles).
+
+    Parameters (offload/params.py): ``param_buffer_count`` buffers, each as large as the largest
+    group shard needs up to ``param_buffer_size`` elements, fp32. Optimizer (offload/store.py):
+    ``buffer_count // 3`` slots of three fp32 tiles of ``sub_group_size`` elements, a tile no
+    larger than the rank's partition.
+    """
+    shard = -(-size.numel // n_ranks)
+    pool = 0
+    if params:
+        pool = offload.param_buffer_count * FP32 * min(int(offload.param_buffer_size), max(_unit_shards(size, n_ranks)))
+    tiles = (offload.buffer_count // 3) * 3 * FP32 * min(int(offload.sub_group_size), shard)
+    return pool, tiles
+
+
+def nvme_traffic(size: ModelSize, offload: str, n_ranks: int, zero: Optional[ZeroConfig] = None) -> tuple[int, int]:
+    """(bytes read, bytes written) per rank and optimizer step (one micro-batch) in NVMe swap files.
+
+    Optimizer on NVMe: every tile's master and moments are read and written once, 12Ψ/N each way.
+    Parameters on NVMe (stage 3): each group's shard is read for each all-gather, twice per step
+    (forward, and the re-gather of backward) or once for groups kept gathered below
+    ``param_persistence_threshold``; the root is resharded after forward at stage 3 (zero/apply.py),
+    so it is read twice. The optimizer writes the updated shard once: 4Ψ/N. With k micro-batches
+    the parameter reads repeat k times.
+    """
+    kind, _, device = offload.partition("=")
+    if device != "nvme":
+        return 0, 0
+    zero = zero or ZeroConfig()
+    shard = -(-size.numel // n_ranks)
+    read = written = 12 * shard
+    if kind == "params+optimizer":
+        units = list(size.units) or [size.largest_unit] * max(1, size.numel // max(1, size.largest_unit))
+        gathers = sum((1 if u < zero.param_persistence_threshold else 2) * -(-u // n_ranks) for u in units if u)
+        if size.units and size.root:
+            gathers += 2 * -(-size.root // n_ranks)
+        read += FP32 * gathers
+        written += FP32 * shard
+    return read, written
 
 
 def deepspeed_estimate(

@@ -13,8 +13,12 @@ Order of transforms in :meth:`AmpZeroStrategy.setup` (each one a function of its
    meta parameters: each rank's chunk kept by :class:`lightning_ampzero.zero.init.ZeroInit` while
    ``configure_model()`` ran (taken by name before step 1, whose FP8 wrapper replaces parameter
    objects), else ``reset_parameters`` for a model built on meta on purpose,
+   Stage 3 with swapped parameters (``offload_param="nvme"``; ``"cpu"`` on a CPU accelerator) then
+   moves each rank's shards into its swap file (:func:`lightning_ampzero.offload.setup.swap_parameters`),
+   after any pretrained weights streamed in,
 4. optimizers (created after sharding so they hold the shards), then optimizer offload
-   (:func:`lightning_ampzero.offload.setup.wrap_optimizers`: ``offload_optimizer`` cpu / nvme),
+   (:func:`lightning_ampzero.offload.setup.wrap_optimizers`: ``offload_optimizer`` cpu / nvme; it
+   reads and writes swapped parameters through their swap file),
 5. precision plugin connection (loss scaler).
 """
 
@@ -65,6 +69,7 @@ from lightning_ampzero.fp8 import convert_to_fp8, fp8_optimizers
 from lightning_ampzero.fp8.convert import fp8_device_note
 from lightning_ampzero.offload import setup as offload_setup
 from lightning_ampzero.offload.optimizer import is_offloaded
+from lightning_ampzero.offload.params import after_checkpoint
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
 from lightning_ampzero.process import release_process_groups
 from lightning_ampzero.torch_compile import apply_compile
@@ -176,6 +181,7 @@ class AmpZeroStrategy(ParallelStrategy):
         self.compiled: list[str] = []  # [compile] names of the blocks apply_compile compiled (setup)
         self._sigterm: Any = None  # (epoch loop, AsyncSigtermBroadcast) while fitting
         self._watchdog: Any = None  # (trainer, WatchdogCallback or None) while fitting
+        self.param_swapper: Any = None  # [offload] ParamSwapper when stage-3 shards live in a swap file
 
     # ---- configuration -------------------------------------------------------------------
     @property
@@ -344,6 +350,12 @@ class AmpZeroStrategy(ParallelStrategy):
         # [pretrained] models built by lightning_ampzero.hf.from_pretrained stream each rank's rows
         # of their checkpoint into place, before Lightning restores a checkpoint of its own over them.
         load_pending_pretrained(self.model)
+        nvme_dir = offload_setup.resolve_nvme_dir(self.config.offload, trainer.default_root_dir, rank_zero_warn)
+        if self.stage == 3:
+            # [offload] offload_param='nvme': every shard into this rank's swap file, read back per all-gather.
+            self.param_swapper = offload_setup.swap_parameters(self.model, self.config.offload, self.root_device,
+                                                               nvme_dir=nvme_dir, rank=self.global_rank,
+                                                               warn=rank_zero_warn)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
@@ -351,9 +363,8 @@ class AmpZeroStrategy(ParallelStrategy):
             # [fp8] msamp O2: Adam/AdamW -> Fp8AdamW (FP8/fp16 moments); otherwise unchanged.
             self.optimizers = fp8_optimizers(self.optimizers, self.lr_scheduler_configs, self.config.fp8)
             # [offload] master weights + Adam moments to the host / NVMe; the step runs there.
-            nvme_dir = offload_setup.resolve_nvme_dir(self.config.offload, trainer.default_root_dir, rank_zero_warn)
             self.optimizers = offload_setup.wrap_optimizers(self.optimizers, self.config.offload, nvme_dir=nvme_dir,
-                                                            rank=self.global_rank)
+                                                            rank=self.global_rank, params=self.param_swapper)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device([o for o in self.optimizers if not is_offloaded(o)], self.root_device)
@@ -444,6 +455,9 @@ class AmpZeroStrategy(ParallelStrategy):
             loop.__dict__.pop("_broadcast_sigterm_tensor", None)
             self._sigterm = None
         offload_setup.close_optimizers(self.optimizers)  # [offload] host buffers, NVMe swap files
+        if self.param_swapper is not None:
+            # [offload] the swap file's name goes; its data stays open for the model until the process ends.
+            self.param_swapper.unlink()
         ac = self.activation_checkpointing
         if ac is not None and ac.config.profile and ac.profile:
             rank_zero_info("activation checkpointing profile (per call):\n" + ac.report())
@@ -480,14 +494,23 @@ class AmpZeroStrategy(ParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{i}"] = opt_state
-        save_sharded(path, state, checkpoint, is_global_zero=self.is_global_zero, barrier=self.barrier)
+        try:
+            save_sharded(path, state, checkpoint, is_global_zero=self.is_global_zero, barrier=self.barrier)
+        finally:
+            # [offload] map swapped parameters afresh: the pages the save read leave with the old map.
+            after_checkpoint(self.model)()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         assert self.lightning_module is not None
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        return load_sharded(path, self._state_module(), optimizers, strict=self.lightning_module.strict_loading,
-                            weights_only=weights_only)
+        try:
+            return load_sharded(path, self._state_module(), optimizers, strict=self.lightning_module.strict_loading,
+                                weights_only=weights_only)
+        finally:
+            # [offload] the load wrote swapped parameters through the file's memory map: forget copies read
+            # ahead, drop the pages it touched.
+            after_checkpoint(self.model)()
 
     def save_consolidated(self, path: Any, dtype: Optional[str] = "bf16", fmt: str = "safetensors",
                           max_shard_size: Any = None) -> list[Path]:
@@ -498,8 +521,11 @@ class AmpZeroStrategy(ParallelStrategy):
         """
         from lightning_ampzero.checkpoint.consolidate import export_consolidated
 
-        return export_consolidated(self._state_module(), Path(self.broadcast(str(path))), dtype=dtype, fmt=fmt,
-                                   max_shard_size=max_shard_size, is_global_zero=self.is_global_zero)
+        try:
+            return export_consolidated(self._state_module(), Path(self.broadcast(str(path))), dtype=dtype, fmt=fmt,
+                                       max_shard_size=max_shard_size, is_global_zero=self.is_global_zero)
+        finally:
+            after_checkpoint(self.model)()
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

@@ -105,14 +105,16 @@ def test_zero3_infinity_auto_values_take_defaults():
         assert key in r.auto
     assert r.optimizer_auto == ("lr", "betas", "eps", "weight_decay")
     assert r.scheduler.warmup_max_lr is None  # = the optimizer's lr
-    # ZeRO-Infinity: optimizer state to NVMe with its buffers and aio's thread count; parameter
-    # swapping to NVMe does not exist here, so parameters go to host memory (a note says so).
-    assert r.config.offload == OffloadConfig(offload_optimizer="nvme", offload_param="cpu", nvme_path="/local_nvme",
-                                             buffer_count=4, sub_group_size=1e9, io_threads=1)
-    assert "offload_param='cpu' is used" in dict(r.notes)["zero_optimization.offload_param.device"]
+    # ZeRO-Infinity: optimizer state and parameters to NVMe with their buffers (the parameters'
+    # buffer_count/buffer_size are DeepSpeed's defaults, 5 and 1e8) and aio's thread count.
+    assert r.config.offload == OffloadConfig(offload_optimizer="nvme", offload_param="nvme", nvme_path="/local_nvme",
+                                             buffer_count=4, sub_group_size=1e9, io_threads=1, param_buffer_count=5,
+                                             param_buffer_size=1e8)
+    assert "zero_optimization.offload_param.device" not in dict(r.notes)
     no_effect = dict(r.no_effect)
     assert "aio.block_size/queue_depth/overlap_events" in no_effect
-    assert "zero_optimization.offload_param.nvme_path/buffer_count/buffer_size/max_in_cpu" in no_effect
+    assert "param_buffer_count buffers" in no_effect["zero_optimization.offload_param.max_in_cpu"]
+    assert not [k for k in no_effect if k.startswith("zero_optimization.offload_param.") and "max_in_cpu" not in k]
 
 
 def test_fp16_auto_cast_with_adam_section():
@@ -144,6 +146,41 @@ def test_offload_sections_map_to_offload_config():
     plain = _convert({"zero_optimization": {"stage": 3, "sub_group_size": 1e9}, "aio": {"thread_count": 4}})
     assert plain.config.offload == OffloadConfig()
     assert {"zero_optimization.sub_group_size", "aio"} <= set(dict(plain.no_effect))
+
+
+def test_offload_param_nvme_keys_are_imported():
+    """ZeRO-Infinity's offload_param section: device, nvme_path, buffer_count, buffer_size become the
+    parameter swapping's settings; aio tunes it even with the optimizer state in host memory."""
+    r = _convert({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                        "offload_param": {"device": "nvme", "nvme_path": "/swap", "buffer_count": 3,
+                                                          "buffer_size": 2e6, "max_in_cpu": 1e9}},
+                  "aio": {"thread_count": 4, "queue_depth": 8}})
+    assert r.config.offload == OffloadConfig(offload_optimizer="cpu", offload_param="nvme", nvme_path="/swap",
+                                             param_buffer_count=3, param_buffer_size=2e6, io_threads=4)
+    no_effect = dict(r.no_effect)
+    assert set(no_effect) == {"zero_optimization.offload_param.max_in_cpu", "aio.queue_depth"}
+    assert "no libaio queue" in no_effect["aio.queue_depth"]
+    # With device 'cpu' the NVMe-only keys are listed as having no effect, not set.
+    cpu = _convert({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                          "offload_param": {"device": "cpu", "nvme_path": "/swap", "buffer_size": 2e6,
+                                                            "max_in_cpu": 1e9}}})
+    assert cpu.config.offload == OffloadConfig(offload_optimizer="cpu", offload_param="cpu")
+    assert {f"zero_optimization.offload_param.{k}" for k in ("nvme_path", "buffer_size", "max_in_cpu")} <= set(
+        dict(cpu.no_effect))
+
+
+@pytest.mark.parametrize(("data", "match"), [
+    # One directory for both swap files: two different ones are a contradiction, named.
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
+                            "offload_param": {"device": "nvme", "nvme_path": "/b"}}},
+     "offload_param.nvme_path='/b' contradicts zero_optimization.offload_optimizer.nvme_path='/a'"),
+    # Parameters on NVMe need the host optimizer step (it writes them into their swap file).
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/a"}}},
+     "needs offload_optimizer='cpu' or 'nvme'"),
+])
+def test_offload_param_nvme_errors(data, match):
+    with pytest.raises(DeepSpeedConfigError, match=match):
+        convert_deepspeed_config(data, warn=False)
 
 
 def test_msamp_section_turns_on_fp8():
@@ -525,7 +562,7 @@ def test_fp32_tutorial_configs_train_on_two_processes(tmp_path):
     assert offload["optimizer_wrapper"] == "OffloadedAdam" and offload["offload"]["optimizer"] == "cpu"
     infinity = results[str(CONFIGS / "zero3_infinity_nvme_auto.json")]
     assert infinity["optimizer_wrapper"] == "OffloadedAdam"
-    assert infinity["offload"] == {"optimizer": "nvme", "param": "cpu", "nvme_path": str(nvme)}
+    assert infinity["offload"] == {"optimizer": "nvme", "param": "nvme", "nvme_path": str(nvme)}
     assert list(nvme.iterdir()) == []  # the swap files were deleted at teardown
 
 

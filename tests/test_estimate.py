@@ -124,11 +124,44 @@ def test_stage3_working_set_follows_units_and_prefetch():
     ("optimizer=nvme", 4 * PSI // N * 2 + 12 * L, 4 * PSI, 12 * PSI),
     # parameters too: the fp32 shard on the host is the master itself (DeepSpeed adds a 16-bit one: 18)
     ("params+optimizer=cpu", 12 * L, 16 * PSI, 0),
-    ("params+optimizer=nvme", 12 * L, 4 * PSI, 12 * PSI),
+    # ZeRO-Infinity: the parameter shards get a swap file of their own (4Ψ/N) beside the optimizer's
+    # master and moments (12Ψ/N); the gradient shard stays in host memory
+    ("params+optimizer=nvme", 12 * L, 4 * PSI, 16 * PSI),
 ])
 def test_offload_formulas(offload, gpu, cpu, nvme):
     e = _est(3, offload)
     assert (e.gpu, e.cpu, e.nvme) == (gpu, cpu, nvme)
+
+
+def test_nvme_traffic_and_buffers():
+    """Bytes per rank and step in the swap files, and the host buffers of NVMe offload, by hand:
+    units of 300k, 300k, 50k, 50k elements and a 300k root on 4 ranks; 50k units are under the
+    persistence threshold (gathered once a step), the others and the root are gathered twice."""
+    from lightning_ampzero.config import OffloadConfig
+    from lightning_ampzero.estimate import nvme_buffer_bytes, nvme_traffic
+
+    size = ModelSize(PSI, L, units=(300_000, 300_000, 50_000, 50_000), root=300_000)
+    zero = ZeroConfig(param_persistence_threshold=60_000)
+    shard = PSI // N  # 250k
+    # optimizer on NVMe: master + two moments, each read and written once
+    assert nvme_traffic(size, "optimizer=nvme", N, zero) == (12 * shard, 12 * shard)
+    # + parameters: each shard read per all-gather (75k, 75k twice; 12.5k, 12.5k once; root 75k twice)
+    # and the updated shard written once
+    gathers = 2 * 75_000 * 2 + 12_500 * 2 + 2 * 75_000
+    assert nvme_traffic(size, "params+optimizer=nvme", N, zero) == (12 * shard + 4 * gathers, 16 * shard)
+    assert nvme_traffic(size, "params+optimizer=cpu", N, zero) == (0, 0)
+    e = estimate(size, 3, "params+optimizer=nvme", gpus_per_node=N, zero=zero)
+    assert (e.nvme_read, e.nvme_written) == (12 * shard + 4 * gathers, 16 * shard)
+    # buffers: 3 parameter buffers of at most 50k elements (under the 75k largest group shard),
+    # and 6 // 3 = 2 optimizer slots of three 20k-element tiles
+    cfg = OffloadConfig(offload_optimizer="nvme", offload_param="nvme", buffer_count=6, sub_group_size=20_000,
+                        param_buffer_count=3, param_buffer_size=50_000)
+    assert nvme_buffer_bytes(size, N, cfg) == (3 * 4 * 50_000, 2 * 3 * 4 * 20_000)
+    # a buffer is no larger than the largest group shard needs
+    big = OffloadConfig(offload_optimizer="nvme", offload_param="nvme", param_buffer_size=1e8)
+    assert nvme_buffer_bytes(size, N, big)[0] == 5 * 4 * 75_000
+    with_buffers = estimate(size, 3, "params+optimizer=nvme", gpus_per_node=N, zero=zero, buffers=cfg)
+    assert with_buffers.cpu - e.cpu == N * (3 * 4 * 50_000 + 2 * 3 * 4 * 20_000)
 
 
 def test_offload_stage2_and_zero_init():

@@ -196,7 +196,7 @@ def test_offload_strategy_options_match_the_registered_strategy_names(name):
 def test_offload_options_take_overrides_of_both_nodes(tmp_path):
     app = compose_typed(["strategy=zero3_nvme", f"offload.nvme_path={tmp_path}", "offload.buffer_count=9",
                          "strategy.reduce_bucket_size=5e5"])
-    assert app.offload == OffloadConfig(offload_optimizer="nvme", offload_param="cpu", nvme_path=str(tmp_path),
+    assert app.offload == OffloadConfig(offload_optimizer="nvme", offload_param="nvme", nvme_path=str(tmp_path),
                                         buffer_count=9)
     assert app.strategy.stage == 3 and app.strategy.reduce_bucket_size == 5e5
     # Offload without a preset: any stage >= 1.

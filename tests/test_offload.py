@@ -242,7 +242,7 @@ def test_lightning_resume_continues_the_trajectory(tmp_path):
 
 @pytest.mark.parametrize(("data", "match"), [
     ({"offload": {"offload_optimizer": "disk"}}, "Allowed values: 'none', 'cpu', 'nvme'"),
-    ({"offload": {"offload_param": "nvme"}, "zero": {"stage": 3}}, "not implemented"),
+    ({"offload": {"offload_param": "nvme"}, "zero": {"stage": 3}}, "needs offload_optimizer='cpu' or 'nvme'"),
     ({"offload": {"nvme_path": "/tmp"}}, "only 'nvme' uses it"),
     ({"offload": {"offload_optimizer": "nvme", "buffer_count": 2}}, "buffer_count must be >= 3"),
     ({"offload": {"offload_optimizer": "cpu"}, "zero": {"stage": 0}}, "needs zero.stage 1, 2 or 3"),
@@ -269,7 +269,7 @@ def test_strategy_arguments_and_registered_names():
     expected = {
         "ampzero_stage_2_offload": (2, "cpu", "none"),
         "ampzero_stage_3_offload": (3, "cpu", "cpu"),
-        "ampzero_stage_3_offload_nvme": (3, "nvme", "cpu"),
+        "ampzero_stage_3_offload_nvme": (3, "nvme", "nvme"),
     }
     for name, (stage, opt, param) in expected.items():
         cfg = StrategyRegistry.get(name).config
@@ -281,8 +281,9 @@ def test_parameter_offload_policy(tmp_path):
 
     cfg = OffloadConfig(offload_param="cpu")
     said = []
-    assert param_offload_policy(cfg, torch.device("cpu"), said.append) is None
-    assert "no effect with accelerator='cpu'" in said[0]
+    # accelerator="cpu": no FSDP2 policy (it would pin); the shards are swapped instead, to tmpfs,
+    # with the warning given there (offload/setup.py swap_parameters, tests/test_param_offload.py)
+    assert param_offload_policy(cfg, torch.device("cpu"), said.append) is None and said == []
     policy = param_offload_policy(OffloadConfig(offload_param="cpu", pin_memory=False), torch.device("cuda", 0), said.append)
     assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is False
     assert param_offload_policy(OffloadConfig(), torch.device("cuda", 0), said.append) is None
@@ -290,6 +291,9 @@ def test_parameter_offload_policy(tmp_path):
     assert resolve_nvme_dir(OffloadConfig(), str(tmp_path), said.append) is None
     path = resolve_nvme_dir(OffloadConfig(offload_optimizer="nvme"), str(tmp_path), said.append)
     assert path == tmp_path / "ampzero_nvme" and path.is_dir() and "without offload.nvme_path" in said[-1]
+    assert "swapping optimizer state to" in said[-1]
+    both = OffloadConfig(offload_optimizer="cpu", offload_param="nvme")
+    assert resolve_nvme_dir(both, str(tmp_path), said.append) == path and "swapping parameters to" in said[-1]
 
 
 def test_pinning_only_with_an_accelerator(tmp_path):

@@ -60,7 +60,8 @@ class LitGPT(pl.LightningModule):
 def train(ds_config: str, steps: int, devices: int, nvme_path: Optional[str] = None) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     overrides = {}
-    if nvme_path and convert_deepspeed_config(ds_config, warn=False).config.offload.offload_optimizer == "nvme":
+    offload = convert_deepspeed_config(ds_config, warn=False).config.offload
+    if nvme_path and "nvme" in (offload.offload_optimizer, offload.offload_param):
         overrides["nvme_path"] = nvme_path  # an OffloadConfig field, over the JSON's value
     strategy = AmpZeroStrategy(config=ds_config, **overrides)
     imported = strategy.imported

@@ -36,9 +36,11 @@ MSAMP_KEYS = ("enabled", "opt_level")
 MSAMP_LEVELS = ("O1", "O2")
 
 _NVME_ONLY = "only used with device 'nvme'"
-_PARAM_NVME = "parameter swapping to NVMe is not implemented (parameter shards are offloaded to host memory)"
-_AIO_IO = ("swap files are read and written with ordinary file I/O by offload.io_threads threads, one tile"
-           " (offload.sub_group_size elements) at a time: there is no libaio queue to size")
+_MAX_IN_CPU = ("no parameters are cached in host memory beyond the offload.param_buffer_count buffers: every"
+               " shard is read from its swap file for each all-gather (through the page cache)")
+_AIO_IO = ("swap files are read and written with ordinary file I/O (pread/pwrite through the page cache) by"
+           " offload.io_threads threads, one optimizer tile (offload.sub_group_size elements) or one parameter"
+           " buffer at a time: there is no libaio queue to size")
 
 
 def _given(value: Any) -> bool:
@@ -53,8 +55,8 @@ def _no_effect(conv: Any, prefix: str, keys: list[str], reason: str) -> None:
 
 def convert_offload(conv: Any, z: Mapping[str, Any]) -> None:
     """``zero_optimization.offload_optimizer`` / ``offload_param`` (and the legacy ``cpu_offload*`` keys,
-    ``sub_group_size``) -> ``offload.*``. Records the optimizer's device in ``conv.offload_optimizer``
-    (``aio`` needs it)."""
+    ``sub_group_size``) -> ``offload.*``. Records in ``conv.offload_optimizer`` ``"nvme"`` when either
+    section swaps to NVMe (``aio`` tunes both), else the optimizer's device."""
     opt_path, par_path = "zero_optimization.offload_optimizer", "zero_optimization.offload_param"
     opt = conv.section(z.get("offload_optimizer"), opt_path)
     par = conv.section(z.get("offload_param"), par_path)
@@ -67,14 +69,11 @@ def convert_offload(conv: Any, z: Mapping[str, Any]) -> None:
         opt_dev, opt_key = "cpu", "zero_optimization.cpu_offload"
     if z.get("cpu_offload_params") is True and par_dev == "none":
         par_dev, par_key = "cpu", "zero_optimization.cpu_offload_params"
-    if par_dev == "nvme":
-        conv.notes.append((par_key, f"'nvme': {_PARAM_NVME}, so offload_param='cpu' is used"))
-        par_dev = "cpu"
     if opt_dev != "none":
         conv.set("offload.offload_optimizer", opt_dev, opt_key)
     if par_dev != "none":
         conv.set("offload.offload_param", par_dev, par_key)
-    conv.offload_optimizer = opt_dev
+    conv.offload_optimizer = "nvme" if "nvme" in (opt_dev, par_dev) else opt_dev
 
     # One pin_memory for both (OffloadConfig): sections that offload must agree.
     if opt_dev != "none" and par_dev != "none" and opt.get("pin_memory", True) != par.get("pin_memory", True):
@@ -105,8 +104,18 @@ def convert_offload(conv: Any, z: Mapping[str, Any]) -> None:
             conv.set(f"offload.{key}", opt[key], f"{opt_path}.{key}")
         elif _given(opt[key]):
             conv.no_effect.append((f"{opt_path}.{key}", _NVME_ONLY))
-    param_nvme_keys = [k for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu") if _given(par.get(k))]
-    _no_effect(conv, par_path, param_nvme_keys, _PARAM_NVME if par.get("device") == "nvme" else _NVME_ONLY)
+    # ZeRO-Infinity's parameter swapping (offload/params.py): one nvme_path for both sections (two
+    # different paths are an error, from conv.set), its buffers under their own names.
+    for key, target in (("nvme_path", "nvme_path"), ("buffer_count", "param_buffer_count"),
+                        ("buffer_size", "param_buffer_size")):
+        if key not in par:
+            continue
+        if par_dev == "nvme":
+            conv.set(f"offload.{target}", par[key], f"{par_path}.{key}")
+        elif _given(par[key]):
+            conv.no_effect.append((f"{par_path}.{key}", _NVME_ONLY))
+    if _given(par.get("max_in_cpu")):
+        conv.no_effect.append((f"{par_path}.max_in_cpu", _MAX_IN_CPU if par_dev == "nvme" else _NVME_ONLY))
     _no_effect(conv, opt_path, [k for k in ("pipeline", "pipeline_read", "pipeline_write") if _given(opt.get(k))],
                "NVMe reads ahead and writes behind always (offload.io_threads)")
     if _given(opt.get("fast_init")):
@@ -136,12 +145,13 @@ def _device(conv: Any, section: Mapping[str, Any], path: str) -> str:
 
 
 def convert_aio(conv: Any, aio: Mapping[str, Any]) -> None:
-    """``aio`` -> ``offload.io_threads`` (its thread count) when the optimizer state goes to NVMe."""
+    """``aio`` -> ``offload.io_threads`` (its thread count) when optimizer state or parameters go to NVMe."""
     conv.check_keys(aio, AIO_KEYS, "aio")
     if not aio:
         return
     if conv.offload_optimizer != "nvme":
-        conv.no_effect.append(("aio", "it tunes NVMe offload, and offload_optimizer.device is not 'nvme'"))
+        conv.no_effect.append(("aio", "it tunes NVMe offload, and neither offload_optimizer.device nor"
+                                      " offload_param.device is 'nvme'"))
         return
     for key in ("thread_count", "intra_op_parallelism"):
         if key in aio:

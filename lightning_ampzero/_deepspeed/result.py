@@ -37,7 +37,7 @@ class ImportedDeepSpeedConfig:
             also steps the module's own optimizer (:meth:`with_config_scheduler`).
         no_effect: ``(key path, reason)`` for every key that changes nothing here.
         notes: ``(key path, how it is read)`` for keys whose meaning here differs from DeepSpeed's
-            (the ``activation_checkpointing`` section, ``offload_param.device="nvme"``, ``msamp``).
+            (the ``activation_checkpointing`` section, ``msamp``).
         auto: key paths whose value was ``"auto"``.
         source: the file it came from, or ``"<dict>"``.
     """

@@ -128,8 +128,10 @@ class SummaryCallback(Callback):
         return {
             "offload_optimizer": app.offload.offload_optimizer,
             "offload_param": app.offload.offload_param,
-            # FSDP2's CPUOffloadPolicy needs an accelerator; on accelerator=cpu the shards are host memory already.
-            "offload_param_applied": app.offload.offload_param != "none" and trainer.strategy.root_device.type != "cpu",
+            # On an accelerator FSDP2's CPUOffloadPolicy ('cpu') or the swap file ('nvme'); on accelerator=cpu
+            # the swap file on tmpfs ('cpu') or under nvme_path: applied where the strategy swapped them.
+            "offload_param_applied": app.offload.offload_param != "none" and (
+                trainer.strategy.root_device.type != "cpu" or getattr(trainer.strategy, "param_swapper", None) is not None),
             "optimizers": optimizers,
             "activation_checkpointing": app.activation_checkpointing.mode,
             "checkpointed_blocks": len(ac.blocks) if ac is not None else 0,
@@ -164,7 +166,7 @@ def _describe_features(f: dict[str, Any]) -> str:
         parts.append(f"optimizer state offloaded to {f['offload_optimizer']} ({', '.join(f.get('optimizers', []))})")
     if f.get("offload_param", "none") != "none":
         applied = f.get("offload_param_applied", True)
-        why = "" if applied else " (no effect on accelerator=cpu)"
+        why = "" if applied else " (not applied)"
         parts.append(f"parameters offloaded to {f['offload_param']}{why}")
     if f.get("activation_checkpointing", "none") != "none":
         where = ", checkpoints in host memory" if f.get("cpu_checkpointing") else ""

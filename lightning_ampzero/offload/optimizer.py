@@ -102,10 +102,13 @@ class OffloadedAdam(Optimizer):
         config: the :class:`~lightning_ampzero.config.OffloadConfig` (``offload_optimizer`` cpu or nvme).
         nvme_dir: directory for the swap files (``nvme`` only; already resolved from ``nvme_path``).
         rank: names this rank's swap directory.
+        params: the :class:`~lightning_ampzero.offload.params.ParamSwapper` of parameters swapped to a
+            file (``offload_param="nvme"``): their shards are read from it and the updated tiles
+            written into it, never made resident as a whole.
     """
 
     def __init__(self, optimizer: Optimizer, config: OffloadConfig, *, nvme_dir: Optional[Path] = None,
-                 rank: int = 0) -> None:
+                 rank: int = 0, params: Any = None) -> None:
         if config.offload_optimizer not in ("cpu", "nvme"):
             raise ValueError(f"OffloadedAdam needs offload_optimizer 'cpu' or 'nvme', got {config.offload_optimizer!r}.")
         check_supported(optimizer)
@@ -136,6 +139,7 @@ class OffloadedAdam(Optimizer):
         self._offsets = [[off for _, off, _ in entries] for entries in self._layout]
         self._steps: dict[Tensor, Tensor] = {}
         self._closed = False
+        self._params = params if params is not None and any(params.owns(p) for p in self._where) else None
         device = next((_local(p).device for p in self._where), torch.device("cpu"))
         # Pinned memory needs an accelerator: pinning fails on a CPU-only machine (FACTS.md).
         self._pin = bool(config.pin_memory and device.type == "cuda")
@@ -182,6 +186,8 @@ class OffloadedAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._params is not None:
+            self._params.begin_update()  # no parameter read in flight or kept while the file changes
         for g in range(len(self.param_groups)):
             self._step_group(g)
         self.store.flush()
@@ -249,7 +255,10 @@ class OffloadedAdam(Optimizer):
             steps = [self._steps[p] for p, _, _, _ in segs]
             _adam_tile(masters, grads, m1, m2, steps, decoupled=self._decoupled[g], **h)
             for (p, lo, hi, _), master in zip(segs, masters):
-                _local(p).view(-1)[lo:hi].copy_(master, non_blocking=self._pin)
+                if self._params is not None and self._params.owns(p):
+                    self._params.write(p, lo, hi, master)  # straight into the swap file
+                else:
+                    _local(p).view(-1)[lo:hi].copy_(master, non_blocking=self._pin)
             event = None
             if self._pin:
                 event = torch.cuda.Event()
@@ -265,15 +274,22 @@ class OffloadedAdam(Optimizer):
                 if self.store.kind == "cpu":
                     master = self.store.full(g, "master")
                     for p, off, n in entries:
-                        master[off : off + n].copy_(_local(p).reshape(-1))
+                        self._read_param(p, 0, n, master[off : off + n])
                     continue
                 everything = set(id(p) for p, _, _ in entries)
                 ranges = tile_ranges(self.store.group_sizes[g], self.store.tile)
                 for tile in self.store.tiles(g, range(len(ranges))):
                     for p, lo, hi, t0 in self._segments(g, tile.start, tile.stop, everything):
-                        tile.master[t0 : t0 + hi - lo].copy_(_local(p).reshape(-1)[lo:hi])
+                        self._read_param(p, lo, hi, tile.master[t0 : t0 + hi - lo])
                     self.store.done(tile)
             self.store.flush()
+
+    def _read_param(self, p: Tensor, lo: int, hi: int, out: Tensor) -> None:
+        """``out`` := elements ``[lo, hi)`` of ``p``'s local shard: from the swap file when it is swapped."""
+        if self._params is not None and self._params.owns(p):
+            self._params.read(p, lo, hi, out)
+        else:
+            out.copy_(_local(p).reshape(-1)[lo:hi])
 
     # ---- checkpoints ---------------------------------------------------------------------------------
     def _param_state(self, g: int, p: Tensor) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """What the strategy calls to set offload up: the FSDP2 parameter-offload policy, the NVMe
-directory, and the optimizer wrapping (``strategy.py`` documents where each runs)."""
+directory, parameter swapping, and the optimizer wrapping (``strategy.py`` documents where each runs)."""
 
 from __future__ import annotations
 
@@ -12,56 +12,104 @@ from lightning_ampzero.config import OffloadConfig
 from lightning_ampzero.offload.optimizer import OffloadedAdam, is_offloaded
 
 
+def swaps_parameters(config: OffloadConfig, device: torch.device) -> bool:
+    """Whether stage-3 parameter shards go to a swap file: ``nvme``, or ``cpu`` on a CPU accelerator."""
+    return config.offload_param == "nvme" or (config.offload_param == "cpu" and device.type == "cpu")
+
+
 def param_offload_policy(config: OffloadConfig, device: torch.device, warn: Callable[[str], None]) -> Any:
     """FSDP2's offload policy for ``offload_param`` (stage 3); ``None`` = no offload.
 
-    [Note: parameter offload needs an accelerator] FSDP2's ``CPUOffloadPolicy`` keeps the
-    parameter shards (and their gradients) in host memory and copies them to the accelerator for
-    each all-gather. With ``accelerator="cpu"`` the shards are in host memory already: there is
-    nothing to offload, and the policy itself fails there (it pins memory). So on CPU the setting
-    is accepted (a config, or ``ampzero_stage_3_offload``, runs unchanged on a CPU machine) and a
-    warning says it does nothing there.
+    [Note: parameter offload on each accelerator] ``cpu`` on an accelerator: FSDP2's
+    ``CPUOffloadPolicy`` keeps the parameter shards (and their gradients) in host memory and copies
+    them to the accelerator for each all-gather. ``nvme`` on an accelerator: the same policy, the
+    host copy of each shard being a view of a swap file or, while its unit all-gathers, of a pinned
+    buffer (offload/params.py); FSDP2's own pinning stays off (``pin_memory=False``): it would
+    replace the file views by pinned copies of whole shards when a checkpoint loads. With
+    ``accelerator="cpu"`` the shards are host memory already and the policy fails there (it pins):
+    ``nvme`` swaps them without it, and ``cpu``, which would be a no-op, swaps them to tmpfs
+    (``/dev/shm``), which takes them out of the process's memory though not the machine's, with a
+    warning that says so (``nvme`` is the setting that frees memory).
     """
-    if config.offload_param == "none":
-        return None
-    if device.type == "cpu":
-        warn(
-            "offload.offload_param='cpu' has no effect with accelerator='cpu': it keeps stage-3 parameter shards in"
-            " host memory and copies them to the accelerator for each all-gather, and here the parameters live in"
-            " host memory already. (FSDP2's CPUOffloadPolicy is not applied: it needs an accelerator.)"
-        )
+    if config.offload_param == "none" or device.type == "cpu":
         return None
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    return CPUOffloadPolicy(pin_memory=config.pin_memory)
+    return CPUOffloadPolicy(pin_memory=config.pin_memory and config.offload_param == "cpu")
 
 
 def param_init_device(config: OffloadConfig, device: torch.device) -> torch.device:
     """Where a meta-built model is materialized: the host when its shards are offloaded."""
-    return torch.device("cpu") if config.offload_param == "cpu" and device.type != "cpu" else device
+    return torch.device("cpu") if config.offload_param != "none" and device.type != "cpu" else device
+
+
+TMPFS = Path("/dev/shm")
 
 
 def resolve_nvme_dir(config: OffloadConfig, default_root_dir: str, warn: Callable[[str], None]) -> Optional[Path]:
     """The directory for NVMe swap files: ``nvme_path``, or ``<default_root_dir>/ampzero_nvme`` (with a warning)."""
-    if config.offload_optimizer != "nvme":
+    if "nvme" not in (config.offload_optimizer, config.offload_param):
         return None
     if config.nvme_path is not None:
         return Path(config.nvme_path)
     path = Path(default_root_dir) / "ampzero_nvme"
     path.mkdir(parents=True, exist_ok=True)
+    what = " and ".join(w for w, d in (("optimizer state", config.offload_optimizer),
+                                       ("parameters", config.offload_param)) if d == "nvme")
     warn(
-        f"offload.offload_optimizer='nvme' without offload.nvme_path: swapping optimizer state to {path} (under the"
-        " Trainer's default_root_dir). Set nvme_path to a directory on a fast local NVMe drive."
+        f"offload 'nvme' without offload.nvme_path: swapping {what} to {path} (under the Trainer's"
+        " default_root_dir). Set nvme_path to a directory on a fast local NVMe drive."
     )
     return path
 
 
+def swap_parameters(model: torch.nn.Module, config: OffloadConfig, device: torch.device, *,
+                    nvme_dir: Optional[Path], rank: int, warn: Callable[[str], None]) -> Any:
+    """Stage 3: the :class:`~lightning_ampzero.offload.params.ParamSwapper` of ``model`` when its shards
+    are swapped (:func:`swaps_parameters`), else None. Runs after partitioning and materialization."""
+    from lightning_ampzero.offload.params import apply_param_offload, param_swapper
+
+    if not swaps_parameters(config, device):
+        return None
+    existing = param_swapper(model)
+    if existing is not None:
+        return existing  # partitioned and swapped by an earlier fit
+    if config.offload_param == "nvme":
+        root, purpose = nvme_dir, "offload.offload_param='nvme'"
+        assert root is not None, "resolve_nvme_dir gives a directory for offload_param='nvme'"
+    else:
+        if config.offload_optimizer == "none":
+            raise ValueError(
+                "offload.offload_param='cpu' with accelerator='cpu' swaps the parameter shards to tmpfs (they are"
+                " in host memory already), which needs offload_optimizer='cpu' or 'nvme' (the host step writes the"
+                " updated parameters into the swap file). Set offload_optimizer, or offload_param='none'."
+            )
+        if not TMPFS.is_dir():
+            raise ValueError(
+                f"offload.offload_param='cpu' with accelerator='cpu' swaps the parameter shards to tmpfs at {TMPFS},"
+                " which this machine does not have. Use offload_param='nvme' with nvme_path, or 'none'."
+            )
+        root, purpose = TMPFS, "offload.offload_param='cpu' (accelerator='cpu': tmpfs)"
+        warn(
+            f"offload.offload_param='cpu' with accelerator='cpu': the parameters are in host memory already, so their"
+            f" stage-3 shards are swapped to files on tmpfs ({TMPFS}) and read back for each all-gather, as"
+            " offload_param='nvme' does with a drive. This takes them out of the training processes' memory, not"
+            " the machine's (tmpfs is memory). Use offload_param='nvme' with nvme_path on a drive to free memory,"
+            " or 'none'."
+        )
+    return apply_param_offload(model, root, buffer_count=config.param_buffer_count,
+                               buffer_size=config.param_buffer_size, io_threads=config.io_threads,
+                               pin=config.pin_memory, rank=rank, purpose=purpose)
+
+
 def wrap_optimizers(optimizers: Sequence[Any], config: OffloadConfig, *, nvme_dir: Optional[Path],
-                    rank: int) -> list[Any]:
-    """Replace each optimizer by an :class:`OffloadedAdam` over it (``offload_optimizer`` cpu / nvme)."""
+                    rank: int, params: Any = None) -> list[Any]:
+    """Replace each optimizer by an :class:`OffloadedAdam` over it (``offload_optimizer`` cpu / nvme);
+    ``params``: the model's ParamSwapper, if its parameters are swapped."""
     if config.offload_optimizer == "none":
         return list(optimizers)
-    return [o if is_offloaded(o) else OffloadedAdam(o, config, nvme_dir=nvme_dir, rank=rank) for o in optimizers]
+    return [o if is_offloaded(o) else OffloadedAdam(o, config, nvme_dir=nvme_dir, rank=rank, params=params)
+            for o in optimizers]
 
 
 def close_optimizers(optimizers: Sequence[Any]) -> None:

@@ -112,8 +112,11 @@ class HostStore:
         self.flat = []
 
 
-def check_nvme_dir(path: Path, needed: int) -> None:
-    """Errors a user can act on for an NVMe swap directory: missing, not a directory, not writable, too small."""
+def check_nvme_dir(path: Path, needed: int, what: str = "") -> None:
+    """Errors a user can act on for an NVMe swap directory: missing, not a directory, not writable, too small.
+
+    ``what`` names the swapped state in the out-of-space message (default: the optimizer's).
+    """
     if not path.exists():
         raise NvmeOffloadError(
             f"offload.nvme_path={str(path)!r} does not exist. Create the directory (on a local NVMe drive) or point"
@@ -137,10 +140,11 @@ def check_nvme_dir(path: Path, needed: int) -> None:
             pass
     free = shutil.disk_usage(path).free
     if needed > free:
+        what = what or ("NVMe optimizer offload (12 bytes per parameter of this rank's partition: fp32 master +"
+                        " Adam's two moments)")
         raise NvmeOffloadError(
-            f"offload.nvme_path={str(path)!r} has {_human(free)} free but NVMe optimizer offload needs {_human(needed)}"
-            " on this node for this rank (12 bytes per parameter of its partition: fp32 master + Adam's two"
-            " moments). Free space, or choose a larger drive."
+            f"offload.nvme_path={str(path)!r} has {_human(free)} free but {what} needs {_human(needed)} on this"
+            " node for this rank. Free space, or choose a larger drive."
         )
 
 
@@ -229,6 +233,22 @@ class NvmeStore:
         if self._broken is not None:
             raise NvmeOffloadError(self._broken)
 
+    def _check_files(self, group: int) -> None:
+        """A swap file deleted or truncated under the running job ([Note: failed writes]): refuse, naming it.
+
+        An open file that was deleted still reads (its name is gone, not its data), so the check is
+        ``fstat``'s link count, once per group and step; a truncated one would read short (zeros).
+        """
+        n = self.group_sizes[group] * _FP32
+        for name, fd in self._fds[group].items():
+            st = os.fstat(fd)
+            path = self.dir / f"group{group}_{name}.swp"
+            if st.st_nlink == 0:
+                raise self._fail("reading optimizer state", OSError(errno.ENOENT, f"{path} was deleted while the job ran"))
+            if st.st_size < n:
+                raise self._fail("reading optimizer state",
+                                 OSError(errno.EIO, f"{path} was truncated to {st.st_size:,} bytes (it holds {n:,})"))
+
     def _wait_slot(self, slot: int) -> None:
         fut = self._writes[slot]
         if fut is not None:
@@ -241,6 +261,7 @@ class NvmeStore:
     # ---- the tile protocol ---------------------------------------------------------------------
     def tiles(self, group: int, wanted: Iterable[int]) -> Iterator[Tile]:
         self._check()
+        self._check_files(group)
         self._maps.clear()  # checkpoint views must not outlive a step that rewrites the files
         ranges = tile_ranges(self.group_sizes[group], self.tile)
         wanted = list(wanted)

@@ -5,13 +5,16 @@ with strategy ampzero on ``--devices`` ranks and records per-step losses (averag
 
 ``--mode parity --configs C1,C2,...``: each ``C`` is ``stage:offload:ac[:precision]`` with
 offload in ``none|cpu|nvme``, ac in ``none|full|selective|cpu`` (cpu = full + cpu_checkpointing +
-contiguous buffers) and an optional Trainer precision (default 32-true). Writes
+contiguous buffers) and an optional Trainer precision (default 32-true). ``infinity`` is ZeRO-Infinity:
+optimizer state and parameters (stage 3) on NVMe; ``tmpfs`` is ``offload_param='cpu'`` with optimizer
+offload ``cpu`` on this CPU accelerator (parameters swapped to /dev/shm). Writes
 ``{C: {"losses": [...], "report": {...}}}``.
 
 ``--mode resume --configs C1,...``: for each ``C`` (``stage:offload_save:offload_resume``), trains
 2 epochs with a checkpoint after epoch 0, then resumes from it in a new Trainer (the resume may
 use another offload setting) and trains epoch 1 again. Writes the uninterrupted losses and the
-resumed ones.
+resumed ones. The resumed run swaps to another directory (``<nvme-dir>/resume``): swap files are
+scratch, never part of a checkpoint.
 """
 
 from __future__ import annotations
@@ -45,7 +48,15 @@ AC = {
 
 def strategy_for(stage: int, offload: str, ac: str, nvme_dir: str) -> AmpZeroStrategy:
     kw: dict = {"stage": stage}
-    if offload != "none":
+    if offload == "infinity":
+        # Parameter buffers of 20000 elements: the unit of the two GPT blocks (about 50k elements per
+        # rank) takes three, the embeddings' and the head's one each.
+        kw.update(offload_optimizer="nvme", offload_param="nvme", sub_group_size=20000, nvme_path=nvme_dir,
+                  buffer_count=6, param_buffer_count=4, param_buffer_size=20000)
+    elif offload == "tmpfs":
+        # The same buffer size (units spanning several buffers), the default buffer count (5).
+        kw.update(offload_optimizer="cpu", offload_param="cpu", sub_group_size=20000, param_buffer_size=20000)
+    elif offload != "none":
         # Small tiles so that every parameter group spans several tiles (the tiled path is exercised).
         kw.update(offload_optimizer=offload, sub_group_size=20000)
         if offload == "nvme":
@@ -84,6 +95,13 @@ def _nvme_report(trainer: pl.Trainer) -> dict:
     if store.kind == "nvme":
         out.update(slots=store.slots, bytes_read=store.bytes_read, bytes_written=store.bytes_written,
                    files=sorted(p.name for p in store.dir.iterdir()))
+    swapper = trainer.strategy.param_swapper
+    if swapper is not None:
+        out["params"] = {"bytes_read": swapper.bytes_read, "bytes_written": swapper.bytes_written,
+                         "numel": swapper.numel, "file": str(swapper.path), "file_bytes": swapper.file_bytes,
+                         "units": len(swapper.units), "segments": sum(len(u.segments) for u in swapper.units),
+                         "peak_buffers_in_use": swapper.peak_buffers_in_use, "buffer_count": swapper.buffer_count,
+                         "buffer_bytes": swapper.buffer_bytes, "steps": trainer.global_step}
     return out
 
 
@@ -134,7 +152,9 @@ def resume(cfg: str, args: argparse.Namespace) -> dict:
 
     pl.seed_everything(0, verbose=False)
     model = Recorder(model=GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32), lr=3e-3)
-    trainer = _trainer(strategy_for(int(stage), resume_offload, "none", args.nvme_dir), args, max_epochs=2,
+    other = Path(args.nvme_dir) / "resume"
+    other.mkdir(exist_ok=True)
+    trainer = _trainer(strategy_for(int(stage), resume_offload, "none", str(other)), args, max_epochs=2,
                        enable_checkpointing=False)
     trainer.fit(model, _loader(trainer, global_batch * steps_per_epoch, global_batch // args.devices), ckpt_path=ckpt)
     return {"full": full, "resumed": _mean_losses(model), "steps_per_epoch": steps_per_epoch}
@@ -155,7 +175,9 @@ def main() -> None:
     fn = parity if args.mode == "parity" else resume
     results = {cfg: fn(cfg, args) for cfg in args.configs.split(",")}
     dist.barrier()  # every rank's teardown has run: its swap files must be gone
-    results["_leftover_swap_dirs"] = sorted(p.name for p in Path(args.nvme_dir).glob("ampzero-offload-*"))
+    results["_leftover_swap_dirs"] = sorted(p.name for pattern in ("ampzero-offload-*", "ampzero-params-*",
+                                                                    "resume/ampzero-*")
+                                            for p in Path(args.nvme_dir).glob(pattern))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
 
