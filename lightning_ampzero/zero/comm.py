@@ -15,13 +15,13 @@ reduce-scatter.
 Gloo's all-reduce is a tuned ring; its reduce-scatter and all-gather are not. Measured on this
 2-core machine, 2 ranks, fp32 (benchmarks/bench_gloo_comm.py): for 20M elements an all-reduce
 takes 82 ms, a reduce-scatter 195 ms and an all-gather 180 ms; for 0.5M, 4.8 / 2.9 / 2.1 ms. So
-above :data:`GLOO_REDUCE_SCATTER_MIN_NUMEL` / :data:`GLOO_ALL_GATHER_MIN_NUMEL` elements the groups of a gloo mesh reduce-scatter by an
-all-reduce of the whole input and a copy of the rank's chunk (no extra memory: the input is
-FSDP2's own buffer, dead after the call), and all-gather by an all-reduce of the output with the
-other ranks' chunks zeroed, summed as integers of the element's width so that x + 0 is x bit for
-bit (a float -0.0 + 0.0 would turn into +0.0). The sum of two ranks' gradients is the same
-either way (a + b == b + a); with more ranks the order of the sum may differ, as between any two
-all-reduce algorithms.
+above :data:`GLOO_REDUCE_SCATTER_MIN_NUMEL` / :data:`GLOO_ALL_GATHER_MIN_NUMEL` elements the
+groups of a gloo mesh reduce-scatter by an all-reduce of the whole input and a copy of the
+rank's chunk (no extra memory: the input is FSDP2's own buffer, dead after the call), and
+all-gather by an all-reduce of the output with the other ranks' chunks zeroed, summed as
+integers so that x + 0 is x bit for bit (a float -0.0 + 0.0 would turn into +0.0). The sum of
+two ranks' gradients is the same either way (a + b == b + a); with more ranks the order of the
+sum may differ, as between any two all-reduce algorithms.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ except ImportError:  # pragma: no cover - older torch
     _ReduceScatter = _AllGather = None  # type: ignore[assignment,misc]
 
 HAS_CUSTOM_REDUCE_SCATTER = _ReduceScatter is not None
+_RSBase: Any = _ReduceScatter if _ReduceScatter is not None else object
+_AGBase: Any = _AllGather if _AllGather is not None else object
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,14 @@ class CommDtypePolicy(MixedPrecisionPolicy):
     comm_dtype: Optional[torch.dtype] = None
 
 
-class LowPrecisionReduceScatter(_ReduceScatter if _ReduceScatter is not None else object):  # type: ignore[misc]
+class _PlainAlloc:
+    """The ``allocate`` of FSDP2's custom comms: an ordinary tensor (FSDP2 frees it when done)."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class LowPrecisionReduceScatter(_PlainAlloc, _RSBase):
     """FSDP2 reduce-scatter that sends ``dtype``: mean in fp32, cast, sum in ``dtype``, cast back.
 
     Dividing by the world size before the cast, as the stage-0 DDP hook does (precision/ddp.py),
@@ -64,9 +73,6 @@ class LowPrecisionReduceScatter(_ReduceScatter if _ReduceScatter is not None els
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,
@@ -106,19 +112,17 @@ RS_LABEL, AG_LABEL = "ampzero::reduce_scatter", "ampzero::all_gather"
 
 
 def _int_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` as integers of its element width, which gloo sums exactly."""
+    """The bytes of ``t`` as integers, which gloo sums exactly: of its element width where gloo has
+    that integer type, else as bytes (2-byte types: gloo has no int16)."""
     ints = {8: torch.int64, 4: torch.int32, 1: torch.uint8}
     return t.view(ints.get(t.element_size(), torch.uint8))
 
 
-class GlooReduceScatter(_ReduceScatter if _ReduceScatter is not None else object):  # type: ignore[misc]
+class GlooReduceScatter(_PlainAlloc, _RSBase):
     """Reduce-scatter on gloo: through an all-reduce from ``min_numel`` input elements."""
 
     def __init__(self, min_numel: Optional[int] = None) -> None:
         self.min_numel = GLOO_REDUCE_SCATTER_MIN_NUMEL if min_numel is None else min_numel
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> Optional[dist.Work]:
@@ -135,14 +139,11 @@ class GlooReduceScatter(_ReduceScatter if _ReduceScatter is not None else object
         return None  # done: FSDP2 waits on nothing
 
 
-class GlooAllGather(_AllGather if _AllGather is not None else object):  # type: ignore[misc]
+class GlooAllGather(_PlainAlloc, _AGBase):
     """All-gather on gloo: through an all-reduce from ``min_numel`` output elements."""
 
     def __init__(self, min_numel: Optional[int] = None) -> None:
         self.min_numel = GLOO_ALL_GATHER_MIN_NUMEL if min_numel is None else min_numel
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> Optional[dist.Work]:
