@@ -38,10 +38,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +58,7 @@ from lightning_ampzero.config import OffloadConfig, ZeroConfig  # noqa: E402
 from lightning_ampzero.estimate import estimate, gpt_size  # noqa: E402
 from lightning_ampzero.models.config import GPTConfig  # noqa: E402
 from lightning_ampzero.models.gpt import GPTModule  # noqa: E402
+from lightning_ampzero.offload.grads import grad_swapper  # noqa: E402
 from lightning_ampzero.offload.optimizer import OffloadedAdam  # noqa: E402
 from lightning_ampzero.process import run_and_exit  # noqa: E402
 from lightning_ampzero.strategy import AmpZeroStrategy  # noqa: E402
@@ -109,10 +112,14 @@ class _SameBatch(Dataset):
 
 
 class _Meter(pl.Callback):
-    def __init__(self) -> None:
+    def __init__(self, profile_step: int = -1) -> None:
+        self.profile_step = profile_step  # --profile: torch.profiler over this step on rank 0
+        self._prof: Any = None
         self.steps: list[float] = []
         self.forward_backward: list[float] = []  # batch start to the optimizer step
         self.losses: list[float] = []
+        self.cpu: list[tuple[float, float, int]] = []  # per step: user s, system s, minor page faults
+        self._ru: Any = None
         self.io: list[tuple[int, int]] = []
         self.hwm_after_first = 0
         self.hwm_setup_and_first = 0
@@ -129,6 +136,9 @@ class _Meter(pl.Callback):
         swapper = trainer.strategy.param_swapper
         if swapper is not None:
             read, written = read + swapper.bytes_read, written + swapper.bytes_written
+        grads = grad_swapper(trainer.strategy.model)
+        if grads is not None:
+            read, written = read + grads.bytes_read, written + grads.bytes_written
         return read, written
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -136,6 +146,10 @@ class _Meter(pl.Callback):
             self.hwm_setup_and_first = _status_kib("VmHWM") * 1024
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: setup and the first step excluded
         self.io.append(self._io(trainer))
+        if batch_idx == self.profile_step and trainer.global_rank == 0:
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+            self._prof.__enter__()
+        self._ru = resource.getrusage(resource.RUSAGE_SELF)
         self._t = time.perf_counter()
         if batch_idx == 0:
             self.first_start = self._t
@@ -145,8 +159,18 @@ class _Meter(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.steps.append(time.perf_counter() - self._t)
+        ru = resource.getrusage(resource.RUSAGE_SELF)  # all threads: the I/O pool's and gloo's too
+        self.cpu.append((ru.ru_utime - self._ru.ru_utime, ru.ru_stime - self._ru.ru_stime,
+                         ru.ru_minflt - self._ru.ru_minflt))
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            print(self._prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
+            # by shape: which copies (all-gather copy-out, reduce-scatter copy-in, swap buffers) cost
+            print(self._prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=30), flush=True)
+            self._prof = None
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.io.append(self._io(trainer))
@@ -164,6 +188,7 @@ def _disk(path: Path, size: int) -> dict:
     """The drive's bandwidth in the same run, with fsync: a first write of ``size`` bytes into a new
     file, a rewrite of the same blocks (what the preallocated swap files see from the second step
     on; on this machine's virtual disk first writes are several times slower), and a cold read."""
+    path.mkdir(parents=True, exist_ok=True)  # a new --nvme-dir, as the strategy's nvme_path may be
     f = path / f"bench-infinity-disk-{os.getpid()}.bin"
     try:
         first = _run(f, size, 8 << 20, 1, False, "write")
@@ -214,6 +239,10 @@ def main() -> None:
                    help="elements per FSDP2 unit (reduce/allgather/prefetch bucket); 0: one transformer block")
     p.add_argument("--disk-probe", type=float, default=2 * GiB, help="bytes written and read to measure the drive")
     p.add_argument("--min-available", type=float, default=1.5 * GiB)
+    p.add_argument("--offload-grad", default="auto", choices=("auto", "none", "nvme"),
+                   help="OffloadConfig.offload_grad: gradient shards to the swap file per unit (auto: yes here)")
+    p.add_argument("--profile", type=int, default=-1, metavar="STEP",
+                   help="print torch.profiler's operator table for this step (0-based) on rank 0")
     p.add_argument("--out", default="infinity_cpu")
     args = p.parse_args()
     torch.set_num_threads(1)  # one core per rank
@@ -227,11 +256,13 @@ def main() -> None:
     zero = ZeroConfig(stage=3, **buckets)
     offload = OffloadConfig(offload_optimizer="nvme", offload_param="nvme", nvme_path=args.nvme_dir,
                             sub_group_size=args.sub_group_size, buffer_count=args.buffer_count,
-                            param_buffer_count=args.param_buffer_count, param_buffer_size=args.param_buffer_size)
+                            param_buffer_count=args.param_buffer_count, param_buffer_size=args.param_buffer_size,
+                            offload_grad=args.offload_grad)
     strategy = AmpZeroStrategy(stage=3, **buckets, offload_optimizer="nvme", offload_param="nvme", nvme_path=args.nvme_dir,
                                sub_group_size=args.sub_group_size, buffer_count=args.buffer_count,
-                               param_buffer_count=args.param_buffer_count, param_buffer_size=args.param_buffer_size)
-    meter = _Meter()
+                               param_buffer_count=args.param_buffer_count, param_buffer_size=args.param_buffer_size,
+                               offload_grad=args.offload_grad)
+    meter = _Meter(args.profile)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, precision="32-true",
                          max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False, callbacks=[meter])
@@ -284,13 +315,15 @@ def main() -> None:
                   "parameters": size.numel, "fp32_model_states_GB": 16 * size.numel / 1e9},
         "run": {"ranks": world, "micro_batch": args.micro_batch, "tokens_per_rank_step": tokens, "steps": args.steps,
                 "lr": args.lr, "unit": unit, "offload": {k: getattr(offload, k) for k in (
-                    "sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size", "io_threads")},
+                    "sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size", "io_threads",
+                    "offload_grad")},
                 "nvme_dir": args.nvme_dir, "machine_memory_GiB": os.sysconf("SC_PAGE_SIZE") * os.sysconf(
                     "SC_PHYS_PAGES") / GiB, "cores": os.cpu_count(),
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
         "losses": meter.losses,
         "step_seconds": meter.steps,
         "forward_backward_seconds": meter.forward_backward,
+        "rank0_cpu_per_step": [{"user_s": u, "system_s": k, "minor_faults": f} for u, k, f in meter.cpu],
         "optimizer_step_seconds": [a - b for a, b in zip(meter.steps, meter.forward_backward)],
         "setup_seconds": meter.first_start - started,
         "total_seconds": total,
@@ -314,7 +347,8 @@ def main() -> None:
     lines = [
         f"# ZeRO-Infinity on CPU: GPT {cfg.n_layer} x {cfg.n_embd}, {size.numel / 1e9:.2f}B parameters"
         f" ({result['run']['date']})", "",
-        f"{world} ranks x 1 core, stage 3, fp32, parameters and optimizer state on NVMe ({args.nvme_dir});"
+        f"{world} ranks x 1 core, stage 3, fp32, parameters and optimizer state on NVMe ({args.nvme_dir}),"
+        f" gradients {'in memory' if not offload.swaps_gradients(stage=3, grads_on_host=True) else 'swapped per unit'};"
         f" {16 * size.numel / 1e9:.1f} GB of fp32 model states (params, grads, Adam master + moments) on a"
         f" {result['run']['machine_memory_GiB']:.0f} GiB machine; micro-batch {args.micro_batch} x {args.block_size}"
         " tokens per rank, the same batch every step.", "",
@@ -325,6 +359,8 @@ def main() -> None:
         f" {', '.join(f'{x:.1f}' for x in meter.forward_backward)} |",
         f"| of which the optimizer step (host AdamW, optimizer and parameter swap files) |"
         f" {', '.join(f'{a - b:.1f}' for a, b in zip(meter.steps, meter.forward_backward))} |",
+        f"| rank 0's CPU time per step, user / system (page faults) |"
+        f" {', '.join(f'{u:.1f} / {k:.1f} ({f / 1e6:.2f}M)' for u, k, f in meter.cpu)} |",
         f"| setup (build, shard, swap files) | {result['setup_seconds']:.0f} s |",
         f"| peak RSS per rank (whole run, setup included) | {', '.join(f'{x:.2f}' for x in result['peak_rss_per_rank_GiB'])} GiB |",
         f"| peak RSS per rank (steps 2..n) | {', '.join(f'{x:.2f}' for x in result['peak_rss_after_first_step_GiB'])}"

@@ -475,6 +475,8 @@ class CompileConfig(FromDict, section="compile"):
 
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# ``cpu`` is no choice for gradients: FSDP2 already puts them in host memory with offload_param.
+GRAD_OFFLOADS = ("auto", "none", "nvme")
 
 
 @dataclass(frozen=True)
@@ -514,6 +516,16 @@ class OffloadConfig(FromDict, section="offload"):
             largest unit needs).
         param_buffer_size: swapped parameters: elements per buffer (DeepSpeed's
             ``offload_param.buffer_size``); at least the largest parameter shard of a rank.
+        offload_grad: ``auto``, ``none`` or ``nvme`` (stage 3): whether each unit's reduced gradient
+            shard goes to a per-rank swap file under ``nvme_path`` right after its reduce-scatter,
+            instead of staying in host memory until the optimizer step (4 bytes per parameter of
+            the rank's partition; lightning_ampzero/offload/grads.py). ``auto`` (the default) swaps
+            them when ``offload_optimizer='nvme'`` at stage 3 and the shards are in host memory
+            (``offload_param`` set, or ``accelerator="cpu"``), because that is what DeepSpeed does:
+            its ZeRO-3 with ``offload_optimizer.device: nvme`` writes the fp32 gradient partitions
+            into the NVMe optimizer swap files and has no key to turn that off, so a converted
+            DeepSpeed config behaves alike. ``nvme`` also swaps them with ``offload_optimizer='cpu'``;
+            ``none`` keeps them in memory (fewer bytes of I/O per step when memory is not the limit).
     """
 
     offload_optimizer: str = "none"
@@ -525,11 +537,20 @@ class OffloadConfig(FromDict, section="offload"):
     io_threads: int = 2
     param_buffer_count: int = 5
     param_buffer_size: float = 1e8
+    offload_grad: str = "auto"
 
     def __post_init__(self) -> None:
         owner = "offload"
         check_choice(owner, "offload_optimizer", self.offload_optimizer, OFFLOAD_DEVICES)
         check_choice(owner, "offload_param", self.offload_param, OFFLOAD_DEVICES)
+        check_choice(owner, "offload_grad", self.offload_grad, GRAD_OFFLOADS)
+        if self.offload_grad == "nvme" and self.offload_optimizer == "none":
+            raise ValueError(
+                "offload.offload_grad='nvme' needs offload_optimizer='cpu' or 'nvme': the host optimizer step reads"
+                " the swapped gradients tile by tile from their file, where a torch optimizer would read every"
+                " gradient through the file's memory map at once (all of it resident again). Set offload_optimizer,"
+                " or offload_grad='none'."
+            )
         if self.offload_param == "nvme" and self.offload_optimizer == "none":
             raise ValueError(
                 "offload.offload_param='nvme' needs offload_optimizer='cpu' or 'nvme': the host optimizer step"
@@ -555,17 +576,28 @@ class OffloadConfig(FromDict, section="offload"):
         if self.nvme_path is not None:
             if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):
                 raise ValueError(f"offload.nvme_path must be a directory path, got {self.nvme_path!r}.")
-            if "nvme" not in (self.offload_optimizer, self.offload_param):
+            if "nvme" not in (self.offload_optimizer, self.offload_param, self.offload_grad):
                 raise ValueError(
                     f"offload.nvme_path={str(self.nvme_path)!r} is set but neither offload.offload_optimizer="
-                    f"{self.offload_optimizer!r} nor offload.offload_param={self.offload_param!r} is 'nvme': only"
-                    " 'nvme' uses it. Set one of them to 'nvme' or remove nvme_path."
+                    f"{self.offload_optimizer!r} nor offload.offload_param={self.offload_param!r} (nor"
+                    f" offload_grad={self.offload_grad!r}) is 'nvme': only 'nvme' uses it. Set one of them to 'nvme'"
+                    " or remove nvme_path."
                 )
             object.__setattr__(self, "nvme_path", str(self.nvme_path))
 
     @property
     def enabled(self) -> bool:
         return self.offload_optimizer != "none" or self.offload_param != "none"
+
+    def swaps_gradients(self, *, stage: int, grads_on_host: bool) -> bool:
+        """Whether stage-3 gradient shards go to a swap file (``offload_grad``, ``auto`` resolved).
+
+        ``grads_on_host``: the reduced shards land in host memory (``offload_param`` set, or a CPU
+        accelerator); on an accelerator without parameter offload they stay there, unswapped.
+        """
+        if stage != 3 or not grads_on_host or self.offload_optimizer == "none":
+            return False
+        return self.offload_grad == "nvme" or (self.offload_grad == "auto" and self.offload_optimizer == "nvme")
 
 
 @dataclass(frozen=True)
@@ -586,6 +618,12 @@ class AmpZeroConfig(FromDict):
                 f"offload.offload_optimizer={self.offload.offload_optimizer!r} needs zero.stage 1, 2 or 3 (ZeRO-Offload"
                 " moves each rank's optimizer-state partition off the accelerator); stage 0 has no partition. Use"
                 " stage=1 or higher."
+            )
+        if self.offload.offload_grad == "nvme" and stage != 3:
+            raise ValueError(
+                f"offload.offload_grad='nvme' needs zero.stage=3 (the gradient shards are swapped per unit after"
+                f" their reduce-scatter, which stage 3 runs every micro-batch), got stage={stage}. Set stage=3, or"
+                " offload_grad='auto'."
             )
         if self.offload.offload_param != "none" and stage != 3:
             raise ValueError(

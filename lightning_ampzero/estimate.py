@@ -19,7 +19,7 @@ GPUs-per-node, nodes, ``zero_init`` and ``additional_buffer_factor`` options), s
 those numbers can compare. DeepSpeed's figures assume fp16 mixed precision with Adam; ours follow
 the precision and optimizer given.
 
-:func:`plan` picks the fastest configuration that fits a GPU and CPU (and NVMe) budget, in the
+:func:`lightning_ampzero.planner.plan` picks the fastest configuration that fits a GPU and CPU (and NVMe) budget, in the
 order of :func:`_preference` (see its [Note: plan order]): fewest offloads, then lowest stage, then
 least recompute, where stages 0-2 count as one stage because they communicate the same bytes.
 """
@@ -43,10 +43,8 @@ __all__ = [
     "OPTIMIZERS",
     "PRECISIONS",
     "ActivationTrace",
-    "Candidate",
     "Estimate",
     "ModelSize",
-    "Plan",
     "deepspeed_estimate",
     "estimate",
     "estimate_all",
@@ -58,7 +56,6 @@ __all__ = [
     "nvme_traffic",
     "parse_bytes",
     "parse_count",
-    "plan",
     "trace_activations",
 ]
 
@@ -379,6 +376,11 @@ def estimate(
       the optimizer's master copy is a separate file). ``buffers`` (the run's
       :class:`~lightning_ampzero.config.OffloadConfig`) adds the host buffers the swapping holds
       (:func:`nvme_buffer_bytes`); without it they are not counted.
+    * gradients swapped (stage 3, ``params+optimizer``, ``buffers.offload_grad`` resolving to
+      ``nvme``: ``auto`` with ``=nvme``, offload/grads.py): the host gradient shard (4Ψ/N) moves to
+      its own swap file; the host keeps one unit's reduced shard until it is written (4·U/N) and the
+      gradient tile the step reads into. Without ``buffers`` gradients are counted in host memory.
+      With parameters resident on an accelerator (``optimizer=...``) the shards stay on it, unswapped.
     * ``zero_init=False``: the model is built whole on the CPU of every process before sharding
       (built in ``__init__`` rather than ``configure_model()``, where Lightning builds it on the
       device, and our stage 3 partitioned as it is built): an fp32 copy (4Ψ) per process at start-up.
@@ -416,6 +418,7 @@ def estimate(
     host = (states + 2 * FP32) * shard  # states + fp32 master + fp32 gradient shard for the CPU step
     cpu_rank = nvme_rank = 0
     kind, _, device = offload.partition("=")
+    grads = _grads_swapped(stage, offload, buffers)
     if kind != "none":
         gpu_opt = 0
         if kind == "params+optimizer":
@@ -427,7 +430,14 @@ def estimate(
             if kind == "params+optimizer":
                 nvme_rank += FP32 * shard  # offload/params.py: the fp32 shards' swap file
             if buffers is not None:
-                cpu_rank += sum(nvme_buffer_bytes(size, n_ranks, buffers, params=kind == "params+optimizer"))
+                cpu_rank += sum(nvme_buffer_bytes(size, n_ranks, buffers, params=kind == "params+optimizer",
+                                                  grads=grads))
+        if grads:
+            # offload/grads.py: the shard to its file; one unit's reduced shard held until written
+            cpu_rank += FP32 * (max(_unit_shards(size, n_ranks)) - shard)
+            nvme_rank += FP32 * shard
+            if device == "cpu" and buffers is not None:
+                cpu_rank += FP32 * min(int(buffers.sub_group_size), shard)  # the step's gradient tile
     # A model built outside configure_model() (no zero_init) exists whole, in fp32, on the CPU of
     # every process before it is moved and sharded, at stage 3 too (sharded after the fact, with a
     # note: zero/materialize.py); inside configure_model() stage 3 builds it partitioned (zero/init.py).
@@ -437,7 +447,7 @@ def estimate(
 
     ds = deepspeed_estimate(psi, size.largest_layer, stage, offload, gpus_per_node=gpus_per_node, nodes=nodes,
                             zero_init=zero_init, additional_buffer_factor=additional_buffer_factor)
-    read, written = nvme_traffic(size, offload, n_ranks, zero)
+    read, written = nvme_traffic(size, offload, n_ranks, zero, grads=grads)
     return Estimate(stage, offload, gpu_params, gpu_grads, gpu_opt, working, cpu, nvme,
                     deepspeed_gpu=ds[1] if ds else None, deepspeed_cpu=ds[0] if ds else None,
                     nvme_read=read, nvme_written=written)
@@ -451,23 +461,39 @@ def _unit_shards(size: ModelSize, n_ranks: int) -> list[int]:
     return [-(-u // n_ranks) for u in units if u]
 
 
-def nvme_buffer_bytes(size: ModelSize, n_ranks: int, offload: OffloadConfig, *, params: bool = True) -> tuple[int, int]:
+def nvme_buffer_bytes(size: ModelSize, n_ranks: int, offload: OffloadConfig, *, params: bool = True,
+                      grads: bool = False) -> tuple[int, int]:
     """Host bytes a rank's NVMe offload holds in buffers: (parameter pool, optimizer tiles).
 
     Parameters (offload/params.py): ``param_buffer_count`` buffers, each as large as the largest
     group shard needs up to ``param_buffer_size`` elements, fp32. Optimizer (offload/store.py):
     ``buffer_count // 3`` slots of three fp32 tiles of ``sub_group_size`` elements, a tile no
-    larger than the rank's partition.
+    larger than the rank's partition; with ``grads`` (gradients swapped, offload/grads.py) one
+    more fp32 tile, which the step reads each tile's gradients into.
     """
     shard = -(-size.numel // n_ranks)
     pool = 0
     if params:
         pool = offload.param_buffer_count * FP32 * min(int(offload.param_buffer_size), max(_unit_shards(size, n_ranks)))
-    tiles = (offload.buffer_count // 3) * 3 * FP32 * min(int(offload.sub_group_size), shard)
+    tiles = ((offload.buffer_count // 3) * 3 + (1 if grads else 0)) * FP32 * min(int(offload.sub_group_size), shard)
     return pool, tiles
 
 
-def nvme_traffic(size: ModelSize, offload: str, n_ranks: int, zero: Optional[ZeroConfig] = None) -> tuple[int, int]:
+def _grads_swapped(stage: int, offload: str, buffers: Optional[OffloadConfig]) -> bool:
+    """Whether ``estimate`` counts gradient shards in a swap file ([Note: gradient swapping on FSDP2]).
+
+    Only with parameters offloaded: ``optimizer=...`` keeps the parameters, and so the reduced
+    gradient shards, on the accelerator, where they are not swapped (``offload_grad`` resolves to
+    ``none`` there, or is refused when set to ``nvme``).
+    """
+    kind, _, device = offload.partition("=")
+    if buffers is None or stage != 3 or kind != "params+optimizer":
+        return False
+    return buffers.offload_grad == "nvme" or (buffers.offload_grad == "auto" and device == "nvme")
+
+
+def nvme_traffic(size: ModelSize, offload: str, n_ranks: int, zero: Optional[ZeroConfig] = None, *,
+                 grads: bool = False) -> tuple[int, int]:
     """(bytes read, bytes written) per rank and optimizer step (one micro-batch) in NVMe swap files.
 
     Optimizer on NVMe: every tile's master and moments are read and written once, 12Ψ/N each way.
@@ -475,14 +501,17 @@ def nvme_traffic(size: ModelSize, offload: str, n_ranks: int, zero: Optional[Zer
     (forward, and the re-gather of backward) or once for groups kept gathered below
     ``param_persistence_threshold``; the root is resharded after forward at stage 3 (zero/apply.py),
     so it is read twice. The optimizer writes the updated shard once: 4Ψ/N. With k micro-batches
-    the parameter reads repeat k times.
+    the parameter reads repeat k times. ``grads`` (gradient shards swapped, offload/grads.py): each
+    unit writes its reduced shard after its reduce-scatter and the step reads it, 4Ψ/N each way
+    (with k micro-batches written k times and read k - 1 more times, to accumulate); this applies
+    with ``params+optimizer=cpu`` too (``offload_grad='nvme'``).
     """
     kind, _, device = offload.partition("=")
-    if device != "nvme":
-        return 0, 0
-    zero = zero or ZeroConfig()
     shard = -(-size.numel // n_ranks)
-    read = written = 12 * shard
+    if device != "nvme":
+        return (FP32 * shard, FP32 * shard) if grads else (0, 0)
+    zero = zero or ZeroConfig()
+    read = written = (12 + (FP32 if grads else 0)) * shard
     if kind == "params+optimizer":
         units = list(size.units) or [size.largest_unit] * max(1, size.numel // max(1, size.largest_unit))
         gathers = sum((1 if u < zero.param_persistence_threshold else 2) * -(-u // n_ranks) for u in units if u)
@@ -743,142 +772,14 @@ def gpt_activations(cfg: Any, micro_batch: int, seq_len: Optional[int] = None,
     return trace_activations(model, run, list(model.blocks))
 
 
-# ---------------------------------------------------------------------------------------
-# The planner
-# ---------------------------------------------------------------------------------------
-
-PLAN_ORDER = ("fewest offloads (none < optimizer < params+optimizer; cpu before nvme), then lowest stage, then least"
-              " recompute; stages 0-2 count as one stage there, since they move the same bytes")
-_OFFLOAD_RANK = {o: i for i, o in enumerate(OFFLOADS)}
+_PLANNER = ("ACCELERATORS", "PLAN_ORDER", "Candidate", "Plan", "host_on_cpu", "plan")
 
 
-def _preference(stage: int, offload: str, checkpointing: str) -> tuple[int, int, int, int]:
-    """Sort key of a candidate: smaller is faster.
+def __getattr__(name: str) -> Any:
+    # The planner lives in planner.py (this module stays under a thousand lines); its names are
+    # still importable from here, lazily, because planner.py imports this module.
+    if name in _PLANNER:
+        from lightning_ampzero import planner
 
-    [Note: plan order] Offloads first: each one moves state over PCIe (or to disk) every step,
-    which costs more than anything else here. Then communication: stages 0, 1 and 2 all move
-    2Ψ elements per rank per step (all-reduce = reduce-scatter + all-gather), stage 3 moves 3Ψ
-    (FACTS.md, ZeRO paper), so among stages 0-2 recompute is avoided first (a recomputed
-    forward costs about a third more compute, and hides nothing) and the stage breaks ties;
-    stage 3 comes after every stage 0-2 option, recompute included.
-    """
-    return (_OFFLOAD_RANK[offload], int(stage == 3), CHECKPOINTING.index(checkpointing), stage)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    stage: int
-    offload: str
-    checkpointing: str
-    model_states: Estimate
-    activations: Optional[int]
-    gpu: int
-    cpu: int
-    nvme: int
-    fits: bool
-    reasons: tuple[str, ...] = ()
-
-    @property
-    def name(self) -> str:
-        return f"stage {self.stage}, offload {self.offload}, checkpointing {self.checkpointing}"
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k != "model_states"}
-        d["model_states"] = self.model_states.as_dict()
-        d["reasons"] = list(self.reasons)
-        return d
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Candidates in preference order; ``choice`` is the first that fits (``None`` if none does)."""
-
-    candidates: tuple[Candidate, ...]
-    gpu_budget: int
-    cpu_budget: int
-    nvme_budget: Optional[int]
-    activations_known: bool
-
-    @property
-    def choice(self) -> Optional[Candidate]:
-        return next((c for c in self.candidates if c.fits), None)
-
-    @property
-    def rejected(self) -> list[Candidate]:
-        """The faster candidates that did not fit (the ones before the choice)."""
-        out = []
-        for c in self.candidates:
-            if c.fits:
-                break
-            out.append(c)
-        return out
-
-    def as_dict(self) -> dict[str, Any]:
-        choice = self.choice
-        return {"choice": choice.as_dict() if choice else None, "gpu_budget": self.gpu_budget,
-                "cpu_budget": self.cpu_budget, "nvme_budget": self.nvme_budget,
-                "activations_known": self.activations_known, "order": PLAN_ORDER,
-                "candidates": [c.as_dict() for c in self.candidates]}
-
-
-def plan(
-    size: ModelSize,
-    gpu_memory: int,
-    cpu_memory: int,
-    *,
-    nvme_memory: Optional[int] = None,
-    activations: Optional[ActivationTrace] = None,
-    stages: Iterable[int] = STAGES,
-    offloads: Iterable[str] = OFFLOADS,
-    checkpointing: Iterable[str] = CHECKPOINTING,
-    gpu_headroom: float = 0.0,
-    cpu_headroom: float = 0.0,
-    **estimate_kwargs: Any,
-) -> Plan:
-    """The fastest configuration whose memory fits, with every faster one and why it was rejected.
-
-    Budgets are bytes: ``gpu_memory`` per GPU, ``cpu_memory`` and ``nvme_memory`` per node
-    (``None``: no NVMe, NVMe offload is ruled out). ``gpu_headroom`` / ``cpu_headroom`` are the
-    fractions kept free (allocator fragmentation, communication buffers, the CUDA context).
-    The GPU need is model states plus ``activations`` for the checkpointing setting; without an
-    activation trace activations count as 0 and checkpointing choices collapse to ``none``.
-    """
-    for name, value in (("gpu_memory", gpu_memory), ("cpu_memory", cpu_memory)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive number of bytes, got {value!r}.")
-    for name, value in (("gpu_headroom", gpu_headroom), ("cpu_headroom", cpu_headroom)):
-        if not 0 <= value < 1:
-            raise ValueError(f"{name} is the fraction of memory kept free, in [0, 1); got {value!r}.")
-    stages, offloads, checkpointing = tuple(stages), tuple(offloads), tuple(checkpointing)
-    for c in checkpointing:
-        if c not in CHECKPOINTING:
-            raise ValueError(f"activation checkpointing {c!r} is not valid. Allowed values: {', '.join(CHECKPOINTING)}.")
-    if activations is None:
-        checkpointing = ("none",)
-    gpu_budget = int(gpu_memory * (1 - gpu_headroom))
-    cpu_budget = int(cpu_memory * (1 - cpu_headroom))
-    combos = valid_combinations(stages, offloads)
-    if not combos:
-        raise ValueError(f"no valid (stage, offload) combination among stages {stages} and offloads {offloads}:"
-                         " offload needs stage >= 1, parameter offload stage 3.")
-    candidates = []
-    states_of = {(stage, offload): estimate(size, stage, offload, **estimate_kwargs) for stage, offload in combos}
-    order = sorted(((s, o, c) for s, o in combos for c in checkpointing), key=lambda soc: _preference(*soc))
-    for stage, offload, ckpt in order:
-        states = states_of[(stage, offload)]
-        act = activations.bytes(ckpt) if activations is not None else None
-        gpu = states.gpu + (act or 0)
-        reasons = []
-        if gpu > gpu_budget:
-            reasons.append(f"GPU needs {format_bytes(gpu)} > {format_bytes(gpu_budget)}")
-        if states.cpu > cpu_budget:
-            reasons.append(f"CPU needs {format_bytes(states.cpu)} per node > {format_bytes(cpu_budget)}")
-        if states.nvme:
-            if nvme_memory is None:
-                reasons.append("NVMe offload needs --nvme-memory")
-            elif states.nvme > nvme_memory:
-                reasons.append(f"NVMe needs {format_bytes(states.nvme)} per node > {format_bytes(nvme_memory)}")
-        candidates.append(Candidate(stage, offload, ckpt, states, act, gpu, states.cpu, states.nvme,
-                                    not reasons, tuple(reasons)))
-    return Plan(tuple(candidates), gpu_budget, cpu_budget, nvme_memory, activations is not None)
-
+        return getattr(planner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

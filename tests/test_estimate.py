@@ -154,8 +154,9 @@ def test_nvme_traffic_and_buffers():
     assert (e.nvme_read, e.nvme_written) == (12 * shard + 4 * gathers, 16 * shard)
     # buffers: 3 parameter buffers of at most 50k elements (under the 75k largest group shard),
     # and 6 // 3 = 2 optimizer slots of three 20k-element tiles
+    # (gradients kept in memory: tests/test_grad_offload.py counts their swapping)
     cfg = OffloadConfig(offload_optimizer="nvme", offload_param="nvme", buffer_count=6, sub_group_size=20_000,
-                        param_buffer_count=3, param_buffer_size=50_000)
+                        param_buffer_count=3, param_buffer_size=50_000, offload_grad="none")
     assert nvme_buffer_bytes(size, N, cfg) == (3 * 4 * 50_000, 2 * 3 * 4 * 20_000)
     # a buffer is no larger than the largest group shard needs
     big = OffloadConfig(offload_optimizer="nvme", offload_param="nvme", param_buffer_size=1e8)

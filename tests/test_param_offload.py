@@ -279,9 +279,10 @@ def _rss(rank: int, world: int, root: str, swap: bool, count: int, size: float) 
     for _ in range(2):
         _step(model, opt, g, RSS_WIDTH, 4)
     peak = _status_kib("VmHWM")
+    # offload_grad="none": this loop keeps gradients in memory (tests/test_grad_offload.py swaps them)
     cfg = OffloadConfig(offload_optimizer="nvme", offload_param="nvme" if swap else "none", buffer_count=3,
-                        sub_group_size=RSS_TILE, **({"param_buffer_count": count, "param_buffer_size": size}
-                                                     if swap else {}))
+                        sub_group_size=RSS_TILE, offload_grad="none",
+                        **({"param_buffer_count": count, "param_buffer_size": size} if swap else {}))
     size_ = model_size(_blocks(RSS_WIDTH, RSS_DEPTH, RSS_HIDDEN), zero)
     est = estimate(size_, 3, "params+optimizer=nvme" if swap else "optimizer=nvme", gpus_per_node=world, zero=zero,
                    buffers=cfg)

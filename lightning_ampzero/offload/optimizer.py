@@ -105,10 +105,13 @@ class OffloadedAdam(Optimizer):
         params: the :class:`~lightning_ampzero.offload.params.ParamSwapper` of parameters swapped to a
             file (``offload_param="nvme"``): their shards are read from it and the updated tiles
             written into it, never made resident as a whole.
+        grads: the :class:`~lightning_ampzero.offload.grads.GradSwapper` of gradients swapped to a file
+            (``offload_grad``); found through the parameters when not given. Swapped gradients are
+            read tile by tile from the file (``pread``), never through ``p.grad``'s memory map.
     """
 
     def __init__(self, optimizer: Optimizer, config: OffloadConfig, *, nvme_dir: Optional[Path] = None,
-                 rank: int = 0, params: Any = None) -> None:
+                 rank: int = 0, params: Any = None, grads: Any = None) -> None:
         if config.offload_optimizer not in ("cpu", "nvme"):
             raise ValueError(f"OffloadedAdam needs offload_optimizer 'cpu' or 'nvme', got {config.offload_optimizer!r}.")
         check_supported(optimizer)
@@ -140,6 +143,11 @@ class OffloadedAdam(Optimizer):
         self._steps: dict[Tensor, Tensor] = {}
         self._closed = False
         self._params = params if params is not None and any(params.owns(p) for p in self._where) else None
+        if grads is None:
+            from lightning_ampzero.offload.grads import grad_swapper
+
+            grads = next((s for s in map(grad_swapper, self._where) if s is not None), None)
+        self._grads = grads if grads is not None and any(grads.owns(p) for p in self._where) else None
         device = next((_local(p).device for p in self._where), torch.device("cpu"))
         # Pinned memory needs an accelerator: pinning fails on a CPU-only machine (FACTS.md).
         self._pin = bool(config.pin_memory and device.type == "cuda")
@@ -176,6 +184,8 @@ class OffloadedAdam(Optimizer):
                     continue
                 if set_to_none:
                     p.grad = None
+                elif self._grads is not None and self._grads.holds(p):
+                    self._grads.zero(p)  # in the file: zeroing through the map would fault it all in
                 else:
                     p.grad.detach_().zero_()
 
@@ -188,6 +198,8 @@ class OffloadedAdam(Optimizer):
                 loss = closure()
         if self._params is not None:
             self._params.begin_update()  # no parameter read in flight or kept while the file changes
+        if self._grads is not None:
+            self._grads.begin_step()  # the gradient file is sound; map pages clipping faulted in go
         for g in range(len(self.param_groups)):
             self._step_group(g)
         self.store.flush()
@@ -218,14 +230,18 @@ class OffloadedAdam(Optimizer):
         return out
 
     def _host_grad(self, p: Tensor, lo: int, hi: int, tile_offset: int) -> Tensor:
-        grad = _local(p.grad).reshape(-1)[lo:hi]
-        if grad.device.type == "cpu" and grad.dtype == torch.float32:
+        swapped = self._grads is not None and self._grads.holds(p)
+        grad = None if swapped else _local(p.grad).reshape(-1)[lo:hi]
+        if grad is not None and grad.device.type == "cpu" and grad.dtype == torch.float32:
             return grad  # already a host fp32 view: no copy
         n = hi - lo
         if self._grad_buffer is None or self._grad_buffer.numel() < self.store.tile:
             self._grad_buffer = torch.empty(self.store.tile, dtype=torch.float32, pin_memory=self._pin)
         dst = self._grad_buffer[tile_offset : tile_offset + n]
-        dst.copy_(grad, non_blocking=self._pin)
+        if grad is None:
+            self._grads.read(p, lo, hi, dst)  # pread from the swap file, not through p.grad's map
+        else:
+            dst.copy_(grad, non_blocking=self._pin)
         return dst
 
     def _step_group(self, g: int) -> None:
@@ -358,6 +374,9 @@ class OffloadedAdam(Optimizer):
         """Free host buffers and delete NVMe swap files."""
         self._closed = True
         self.store.close()
+        if self._grads is not None:
+            # The name goes; swapped p.grad stay readable through the open file until the process ends.
+            self._grads.unlink()
 
     def _check_open(self, what: str) -> None:
         if self._closed:

@@ -48,14 +48,15 @@ TMPFS = Path("/dev/shm")
 
 def resolve_nvme_dir(config: OffloadConfig, default_root_dir: str, warn: Callable[[str], None]) -> Optional[Path]:
     """The directory for NVMe swap files: ``nvme_path``, or ``<default_root_dir>/ampzero_nvme`` (with a warning)."""
-    if "nvme" not in (config.offload_optimizer, config.offload_param):
+    if "nvme" not in (config.offload_optimizer, config.offload_param, config.offload_grad):
         return None
     if config.nvme_path is not None:
         return Path(config.nvme_path)
     path = Path(default_root_dir) / "ampzero_nvme"
     path.mkdir(parents=True, exist_ok=True)
     what = " and ".join(w for w, d in (("optimizer state", config.offload_optimizer),
-                                       ("parameters", config.offload_param)) if d == "nvme")
+                                       ("parameters", config.offload_param),
+                                       ("gradients", config.offload_grad)) if d == "nvme")
     warn(
         f"offload 'nvme' without offload.nvme_path: swapping {what} to {path} (under the Trainer's"
         " default_root_dir). Set nvme_path to a directory on a fast local NVMe drive."
@@ -66,7 +67,40 @@ def resolve_nvme_dir(config: OffloadConfig, default_root_dir: str, warn: Callabl
 def swap_parameters(model: torch.nn.Module, config: OffloadConfig, device: torch.device, *,
                     nvme_dir: Optional[Path], rank: int, warn: Callable[[str], None]) -> Any:
     """Stage 3: the :class:`~lightning_ampzero.offload.params.ParamSwapper` of ``model`` when its shards
-    are swapped (:func:`swaps_parameters`), else None. Runs after partitioning and materialization."""
+    are swapped (:func:`swaps_parameters`), else None. Runs after partitioning and materialization.
+
+    Also installs gradient swapping (:func:`swap_gradients`) when ``offload_grad`` asks for it: the
+    strategy's one stage-3 swapping call, so that the optimizer wrapping after it finds both."""
+    params = _swap_parameter_shards(model, config, device, nvme_dir=nvme_dir, rank=rank, warn=warn)
+    swap_gradients(model, config, device, nvme_dir=nvme_dir, rank=rank)
+    return params
+
+
+def swap_gradients(model: torch.nn.Module, config: OffloadConfig, device: torch.device, *,
+                   nvme_dir: Optional[Path], rank: int) -> Any:
+    """Stage 3: the :class:`~lightning_ampzero.offload.grads.GradSwapper` of ``model`` when
+    ``offload_grad`` (``auto`` resolved by :meth:`OffloadConfig.swaps_gradients`) swaps its gradient
+    shards, else None. The optimizer finds it through the parameters (``OffloadedAdam``)."""
+    from lightning_ampzero.offload.grads import apply_grad_offload, grad_swapper
+
+    existing = grad_swapper(model)
+    if existing is not None:
+        return existing  # partitioned and swapped by an earlier fit
+    on_host = device.type == "cpu" or config.offload_param != "none"
+    if not config.swaps_gradients(stage=3, grads_on_host=on_host):
+        if config.offload_grad == "nvme" and not on_host:
+            raise ValueError(
+                f"offload.offload_grad='nvme' with offload_param='none' on {device.type}: the gradient shards are"
+                " reduced on the accelerator and stay there, and gradient swapping writes them from host memory."
+                " Set offload_param='cpu' or 'nvme' (FSDP2 then moves them to the host), or offload_grad='auto'."
+            )
+        return None
+    assert nvme_dir is not None, "resolve_nvme_dir gives a directory when offload_grad resolves to 'nvme'"
+    return apply_grad_offload(model, nvme_dir, rank=rank)
+
+
+def _swap_parameter_shards(model: torch.nn.Module, config: OffloadConfig, device: torch.device, *,
+                           nvme_dir: Optional[Path], rank: int, warn: Callable[[str], None]) -> Any:
     from lightning_ampzero.offload.params import apply_param_offload, param_swapper
 
     if not swaps_parameters(config, device):

@@ -176,7 +176,7 @@ def main() -> None:
     results = {cfg: fn(cfg, args) for cfg in args.configs.split(",")}
     dist.barrier()  # every rank's teardown has run: its swap files must be gone
     results["_leftover_swap_dirs"] = sorted(p.name for pattern in ("ampzero-offload-*", "ampzero-params-*",
-                                                                    "resume/ampzero-*")
+                                                                    "ampzero-grads-*", "resume/ampzero-*")
                                             for p in Path(args.nvme_dir).glob(pattern))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
