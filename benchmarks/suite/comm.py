@@ -17,8 +17,10 @@ of an n-element output n, a broadcast n. So data parallelism moves 2Ψ per step,
 backward). On the wire gloo's ring moves (N-1)/N of that per rank, and gloo implements
 reduce_scatter_tensor as an all-reduce of the whole input (the trace shows a
 ``gloo:all_reduce`` of the full input under every ``c10d::_reduce_scatter_base_``): on gloo a
-ZeRO reduce-scatter costs as much wire traffic as DDP's all-reduce, for every ZeRO
-implementation alike.
+native reduce-scatter costs as much wire traffic as DDP's all-reduce. lightning_ampzero's gloo
+groups reduce-scatter and all-gather by a ring of send/recv instead (zero/comm.py): the sends
+under its profiler label (``ampzero::reduce_scatter#<dtype>#<world>``) are (N-1)/N of the
+collective's buffer, as bytes, and count as the one collective the label names.
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ def _count(kinds: dict, by_dtype: dict, kind: str, moved: int, dtype: str) -> No
     by_dtype[DTYPE_NAMES.get(dtype, dtype)] += moved * DTYPE_BYTES.get(dtype, 4)
 
 
+def _count_ring(ring: dict, label: tuple, stands_for: str, moved: int, dtype: str) -> None:
+    entry = ring.setdefault(label, [stands_for, 0, dtype])
+    entry[1] += moved
+
+
 def parse_trace(path: str) -> dict:
     """Collectives of one profiled step: totals (elements, bytes by dtype) and per kind."""
     with open(path) as f:
@@ -108,6 +115,7 @@ def parse_trace(path: str) -> dict:
     unparsed: dict[str, int] = defaultdict(int)
     elements = 0
     by_dtype: dict[str, int] = defaultdict(int)
+    ring: dict[tuple, list] = {}
     for e in ops:
         name = e["name"]
         spec = _OPS.get(name)
@@ -120,10 +128,21 @@ def parse_trace(path: str) -> dict:
         types = args.get("Input type") or []
         counted = dims[index] if index < len(dims) else []
         n = _numel(counted)
-        label = next((lb for lb in labels if name == "c10d::allreduce_" and lb.get("tid") == e.get("tid")
-                      and lb["ts"] <= e["ts"] <= lb["ts"] + lb.get("dur", 0)), None)
+        label = next((lb for lb in labels if name in ("c10d::allreduce_", "c10d::send", "c10d::recv_")
+                      and lb.get("tid") == e.get("tid") and lb["ts"] <= e["ts"] <= lb["ts"] + lb.get("dur", 0)), None)
+        if label is not None and name != "c10d::allreduce_":
+            # a ring of send/recv (zero/comm.py): its sends, (N-1)/N of the collective's buffer, as bytes
+            stands_for, torch_dtype, world = label["name"].split("::", 1)[1].split("#")
+            key = _first_shape_numel(counted)
+            if pool.get(key):
+                pool[key].pop(0)
+            if name == "c10d::send":
+                dtype = _TORCH_DTYPES.get(torch_dtype, "?")
+                moved = n * int(world) // (int(world) - 1) // DTYPE_BYTES.get(dtype, 4)
+                _count_ring(ring, (label["ts"], label.get("tid")), stands_for, moved, dtype)
+            continue
         if label is not None:
-            stands_for, torch_dtype = label["name"].split("::", 1)[1].split("#", 1)
+            stands_for, torch_dtype = label["name"].split("::", 1)[1].split("#")[:2]
             dtype = _TORCH_DTYPES.get(torch_dtype, "?")
             key = _first_shape_numel(counted)
             wire_type = pool[key].pop(0) if pool.get(key) else "?"
@@ -139,6 +158,9 @@ def parse_trace(path: str) -> dict:
             dtype = work_dtype
         moved = factor * n
         _count(kinds, by_dtype, kind, moved, dtype)
+        elements += moved
+    for stands_for, moved, dtype in ring.values():  # one collective per label, however many sends
+        _count(kinds, by_dtype, stands_for, moved, dtype)
         elements += moved
     return {
         "elements": elements,

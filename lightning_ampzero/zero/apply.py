@@ -203,7 +203,7 @@ def apply_zero(
         comm_dtype = getattr(policy, "comm_dtype", None)
         if comm_dtype is not None:  # [precision] see [Note: stage 1 accumulation dtype] in comm.py
             group.modules[0].set_custom_reduce_scatter(LowPrecisionReduceScatter(comm_dtype))
-        if mesh.ndim == 1:  # [Note: gloo collectives through all-reduce] in comm.py (no-op off gloo)
+        if mesh.ndim == 1:  # [Note: gloo collectives by a ring] in comm.py (no-op off gloo)
             install_gloo_comms(group.modules[0], mesh.get_group(), reduce_scatter=comm_dtype is None)
         groups.append(group)
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)

@@ -11,17 +11,25 @@ as the group's reduce-scatter, which casts to the low dtype for the wire only. S
 reduce every micro-batch and accumulate the fp32 shards, so they keep FSDP2's own low-dtype
 reduce-scatter.
 
-[Note: gloo collectives through all-reduce]
-Gloo's all-reduce is a tuned ring; its reduce-scatter and all-gather are not. Measured on this
-2-core machine, 2 ranks, fp32 (benchmarks/bench_gloo_comm.py): for 20M elements an all-reduce
-takes 82 ms, a reduce-scatter 195 ms and an all-gather 180 ms; for 0.5M, 4.8 / 2.9 / 2.1 ms. So
-above :data:`GLOO_REDUCE_SCATTER_MIN_NUMEL` / :data:`GLOO_ALL_GATHER_MIN_NUMEL` elements the
-groups of a gloo mesh reduce-scatter by an all-reduce of the whole input and a copy of the
-rank's chunk (no extra memory: the input is FSDP2's own buffer, dead after the call), and
-all-gather by an all-reduce of the output with the other ranks' chunks zeroed, summed as
-integers so that x + 0 is x bit for bit (a float -0.0 + 0.0 would turn into +0.0). The sum of
-two ranks' gradients is the same either way (a + b == b + a); with more ranks the order of the
-sum may differ, as between any two all-reduce algorithms.
+[Note: gloo collectives by a ring]
+Gloo's all-reduce is a tuned ring; its reduce-scatter is an all-reduce of the whole input (twice
+the traffic a reduce-scatter needs) and its all-gather is slow on large buffers, while its
+point-to-point send/recv is as fast as the all-reduce's own transfers. So above
+:data:`GLOO_REDUCE_SCATTER_MIN_NUMEL` / :data:`GLOO_ALL_GATHER_MIN_NUMEL` elements the groups of a
+gloo mesh reduce-scatter and all-gather by a ring of send/recv (:func:`_ring_reduce_scatter_`,
+:func:`_ring_all_gather_`): N-1 steps, each rank sending one chunk to the next rank while
+receiving one from the previous (the bandwidth-optimal schedule), with no buffer but FSDP2's own:
+the reduce-scatter sums into its input, dead after the call, and receives into its output.
+Measured on this 2-core machine, 2 ranks, fp32 (benchmarks/results/gloo_comm.md), for 4.9M
+elements (the user-launch GPT's gradients): all-reduce 11.9 ms, gloo's reduce-scatter 22.1 ms
+against 7.7 ms by the ring, gloo's all-gather 10.8 ms against 7.6 ms; for 32M, 238 / 57 ms and
+177 / 48 ms. Below about 0.5M elements every variant takes 1-4 ms and the noise decides. A ZeRO step's reduce-scatter plus all-gather so costs about DDP's one all-reduce, as
+the ZeRO paper counts it; an all-reduce in place of the reduce-scatter (this module's path until
+issue 16) cost one and a half, and stages 1-2 ran at 1.16x / 1.11x DDP's step
+(benchmarks/results/user_launch.md). Gradients are bit for bit those of gloo's collectives with
+2 ranks (a + b == b + a); with more ranks each chunk is summed in ring order, which may differ
+from gloo's, as between any two all-reduce algorithms. The all-gather only moves bytes
+(sent as bytes: any dtype, FP8 included).
 """
 
 from __future__ import annotations
@@ -95,52 +103,94 @@ class LowPrecisionReduceScatter(_PlainAlloc, _RSBase):
                 " leave the gradient divide factor of stage 1 -mixed modules at its default."
             )
         received = torch.empty(output_tensor.shape, dtype=self.dtype, device=output_tensor.device)
-        # Looked up at call time, so tools that patch torch.distributed (traffic counters) see it.
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        reduce_scatter(received, send, op=op, group=group)
+        # on gloo, above the threshold: the ring ([Note: gloo collectives by a ring])
+        GlooReduceScatter(native_off_gloo=True)(received, send, group, op)
         output_tensor.copy_(received)
         return None  # done: FSDP2 waits on nothing
 
 
-#: Elements of the full (unsharded) buffer from which gloo's all-reduce replaces its reduce-scatter,
-#: and its all-gather ([Note: gloo collectives through all-reduce]; benchmarks/results/gloo_comm.md).
-GLOO_REDUCE_SCATTER_MIN_NUMEL = 2_000_000
-GLOO_ALL_GATHER_MIN_NUMEL = 12_000_000
-#: Profiler labels around those all-reduces: benchmarks/suite/comm.py counts the all-reduce under
-#: them as the reduce-scatter / all-gather it stands for (the dtype it was for, after "#").
+#: Elements of the full (unsharded) buffer from which a gloo mesh reduce-scatters, and all-gathers,
+#: by a ring of send/recv ([Note: gloo collectives by a ring]; benchmarks/results/gloo_comm.md).
+GLOO_REDUCE_SCATTER_MIN_NUMEL = 500_000
+GLOO_ALL_GATHER_MIN_NUMEL = 500_000
+#: Profiler labels around those rings: benchmarks/suite/comm.py counts the sends under them as the
+#: reduce-scatter / all-gather they stand for (the dtype it was for, after "#"; the world size after a second "#").
 RS_LABEL, AG_LABEL = "ampzero::reduce_scatter", "ampzero::all_gather"
+#: Tag of the rings' send/recv, apart from user point-to-point traffic (tag 0 by default).
+_RING_TAG = 0x5A31
 
 
-def _int_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` as integers, which gloo sums exactly: of its element width where gloo has
-    that integer type, else as bytes (2-byte types: gloo has no int16)."""
-    ints = {8: torch.int64, 4: torch.int32, 1: torch.uint8}
-    return t.view(ints.get(t.element_size(), torch.uint8))
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous tensor's memory as bytes (what send/recv moves; gloo has no FP8 type)."""
+    return t.view(torch.uint8)
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, rank: int, world: int) -> None:
+    """Send ``send`` to the next rank of the ring while receiving ``recv`` from the previous one."""
+    works = [dist.isend(_bytes(send), group=group, group_dst=(rank + 1) % world, tag=_RING_TAG),
+             dist.irecv(_bytes(recv), group=group, group_src=(rank - 1) % world, tag=_RING_TAG)]
+    for work in works:
+        work.wait()
+
+
+def _ring_reduce_scatter_(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``output`` = the sum over ranks of chunk ``rank`` of ``input`` (1-D); ``input`` is overwritten.
+
+    Step s: send the partial sum of chunk (rank - s - 1), receive the previous rank's partial sum
+    of chunk (rank - s - 2) into ``output`` and add it into this rank's copy of that chunk. At the
+    last step that chunk is the rank's own: this rank's part is added into ``output``, which then
+    holds the whole sum.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = input.view(world, -1)
+    for step in range(world - 1):
+        _exchange(chunks[(rank - step - 1) % world], output, group, rank, world)
+        target = (rank - step - 2) % world
+        if step < world - 2:
+            chunks[target].add_(output)
+        else:
+            output.add_(chunks[target])
+
+
+def _ring_all_gather_(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``output`` (1-D) = every rank's ``input``, in rank order. Step s passes on chunk (rank - s)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = output.view(world, -1)
+    if input.data_ptr() != chunks[rank].data_ptr():  # FSDP2 copies in place: usually the same
+        chunks[rank].copy_(input.view(-1))
+    for step in range(world - 1):
+        _exchange(chunks[(rank - step) % world], chunks[(rank - step - 1) % world], group, rank, world)
 
 
 class GlooReduceScatter(_PlainAlloc, _RSBase):
-    """Reduce-scatter on gloo: through an all-reduce from ``min_numel`` input elements."""
+    """Reduce-scatter on gloo: by a ring of send/recv from ``min_numel`` input elements.
 
-    def __init__(self, min_numel: Optional[int] = None) -> None:
+    ``native_off_gloo``: on a group of another backend, the backend's own reduce-scatter
+    (what :class:`LowPrecisionReduceScatter` needs; :func:`install_gloo_comms` installs this class
+    on gloo groups only).
+    """
+
+    def __init__(self, min_numel: Optional[int] = None, *, native_off_gloo: bool = False) -> None:
         self.min_numel = GLOO_REDUCE_SCATTER_MIN_NUMEL if min_numel is None else min_numel
+        self.native_off_gloo = native_off_gloo
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> Optional[dist.Work]:
-        if input_tensor.numel() < self.min_numel or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        if (input_tensor.numel() < self.min_numel or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+                or (self.native_off_gloo and dist.get_backend(group) != "gloo")):
+            # Looked up at call time, so tools that patch torch.distributed (traffic counters) see it.
             reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         world = dist.get_world_size(group)
-        with torch.profiler.record_function(f"{RS_LABEL}#{input_tensor.dtype}"):
-            # gloo's all-reduce has no AVG: the sum, then the division gloo's reduce-scatter makes.
-            dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM, group=group)
-        output_tensor.copy_(input_tensor.view(world, -1)[dist.get_rank(group)])
-        if op == dist.ReduceOp.AVG:
+        with torch.profiler.record_function(f"{RS_LABEL}#{input_tensor.dtype}#{world}"):
+            _ring_reduce_scatter_(output_tensor.view(-1), input_tensor.view(-1), group)
+        if op == dist.ReduceOp.AVG:  # the sum, then the division gloo's reduce-scatter makes
             output_tensor.div_(world)
         return None  # done: FSDP2 waits on nothing
 
 
 class GlooAllGather(_PlainAlloc, _AGBase):
-    """All-gather on gloo: through an all-reduce from ``min_numel`` output elements."""
+    """All-gather on gloo: by a ring of send/recv from ``min_numel`` output elements."""
 
     def __init__(self, min_numel: Optional[int] = None) -> None:
         self.min_numel = GLOO_ALL_GATHER_MIN_NUMEL if min_numel is None else min_numel
@@ -150,15 +200,10 @@ class GlooAllGather(_PlainAlloc, _AGBase):
         if output_tensor.numel() < self.min_numel:
             all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        chunks = output_tensor.view(world, -1)
-        if input_tensor.data_ptr() != chunks[rank].data_ptr():  # FSDP2 copies in place: usually the same
-            chunks[rank].copy_(input_tensor.view(-1))
-        for i in range(world):
-            if i != rank:
-                chunks[i].zero_()
-        with torch.profiler.record_function(f"{AG_LABEL}#{output_tensor.dtype}"):
-            return dist.all_reduce(_int_view(output_tensor), group=group, async_op=async_op)
+        world = dist.get_world_size(group)
+        with torch.profiler.record_function(f"{AG_LABEL}#{output_tensor.dtype}#{world}"):
+            _ring_all_gather_(output_tensor.view(-1), input_tensor.view(-1), group)
+        return None  # done: FSDP2 waits on nothing
 
 
 def install_gloo_comms(fsdp_module: Any, group: dist.ProcessGroup, *, reduce_scatter: bool = True) -> bool:
