@@ -333,3 +333,43 @@ def test_cuda_offloaded_state_is_on_the_host(kind, tmp_path):
     # Device memory added by training: the gradients (4 bytes/parameter), no optimizer state (8 more).
     assert torch.cuda.memory_allocated() - before < 8 * sum(p.numel() for p in model.parameters())
     opt.close()
+
+
+def test_swap_files_of_a_killed_run_are_removed_by_the_next(tmp_path):
+    # [Note: swap directories of dead processes] in offload/store.py: a SIGKILLed rank leaves its
+    # swap files (RAM, when nvme_path is tmpfs); the next swapper on the host removes them and says so.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from lightning_ampzero.offload.store import swap_dir_name
+
+    # A run killed while it holds NVMe optimizer state: its swap directory stays behind.
+    code = ("import sys, time, torch\n"
+            "from lightning_ampzero.offload import OffloadedAdam\n"
+            "from lightning_ampzero.config import OffloadConfig\n"
+            "m = torch.nn.Linear(64, 64)\n"
+            "opt = OffloadedAdam(torch.optim.AdamW(m.parameters()), OffloadConfig(offload_optimizer='nvme',"
+            " nvme_path=sys.argv[1]), nvme_dir=sys.argv[1])\n"
+            "print('ready', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    dead = sorted(p.name for p in tmp_path.glob("ampzero-offload-*"))
+    assert len(dead) == 1 and f"-{proc.pid}-" in dead[0], dead
+    # Directories of a live process and of another host must stay.
+    live = tmp_path / swap_dir_name("params", 0)
+    other_host = tmp_path / f"ampzero-grads-rank0-elsewhere-{proc.pid}-0123abcd"
+    for d in (live, other_host):
+        d.mkdir()
+        (d / "x.swp").write_bytes(b"\0" * 4096)
+    model = torch.nn.Linear(8, 8)
+    with pytest.warns(UserWarning, match="removed 1 swap directory of processes that no longer exist"):
+        opt = OffloadedAdam(torch.optim.AdamW(model.parameters()),
+                            OffloadConfig(offload_optimizer="nvme", nvme_path=str(tmp_path)), nvme_dir=tmp_path)
+    assert not (tmp_path / dead[0]).exists()
+    assert live.exists() and other_host.exists()
+    opt.close()
+    assert os.path.exists(other_host / "x.swp")

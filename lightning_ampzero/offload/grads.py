@@ -48,7 +48,6 @@ import errno
 import mmap
 import os
 import shutil
-import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ampzero.offload.params import _groups
-from lightning_ampzero.offload.store import _SPACE_ERRNOS, NvmeOffloadError, _human, check_nvme_dir
+from lightning_ampzero.offload.store import _SPACE_ERRNOS, NvmeOffloadError, _human, check_nvme_dir, swap_dir_name
 
 _ALIGN = 64  # bytes: every shard starts aligned for any dtype's view of the map
 _PAGE = 4096
@@ -133,7 +132,7 @@ class GradSwapper:
                 self.units.append(unit)
         self.file_bytes = _up(max(offset, 1), _PAGE)
         check_nvme_dir(root, self.file_bytes, what=f"{purpose} (this rank's gradient shards)")
-        self.dir = root / f"ampzero-grads-rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.dir = root / swap_dir_name("grads", rank)
         self.dir.mkdir()
         self.path = self.dir / "grads.swp"
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)

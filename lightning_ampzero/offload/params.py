@@ -50,7 +50,6 @@ import errno
 import os
 import shutil
 import threading
-import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,7 +59,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_ampzero.offload.store import _SPACE_ERRNOS, NvmeOffloadError, _human, check_nvme_dir
+from lightning_ampzero.offload.store import _SPACE_ERRNOS, NvmeOffloadError, _human, check_nvme_dir, swap_dir_name
 
 _ALIGN = 64  # bytes: every shard starts aligned for any dtype's view of the buffer / map
 _PAGE = 4096  # bytes: each segment starts on a page (one read per segment, page-aligned)
@@ -194,7 +193,7 @@ class ParamSwapper:
         self.buffer_bytes = max(s.nbytes for u in self.units for s in u.segments)
         self.device = self.units[0].group.device
         check_nvme_dir(root, self.file_bytes, what=f"{purpose} (this rank's parameter shards)")
-        self.dir = root / f"ampzero-params-rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.dir = root / swap_dir_name("params", rank)
         self.dir.mkdir()
         self.path = self.dir / "params.swp"
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
+import socket
+import warnings
 import threading
 import uuid
 import weakref
@@ -112,10 +115,69 @@ class HostStore:
         self.flat = []
 
 
+# [Note: swap directories of dead processes] Each swapper's directory is named after its kind,
+# rank, host and process id. A process killed by a signal (SIGKILL, the OOM killer) runs no
+# finalizer, so its swap files stay: tens of GB on a drive, or RAM when nvme_path is tmpfs
+# (offload_param="cpu" on a CPU accelerator swaps to /dev/shm), where they can make the next run
+# run out of memory too. They are garbage by construction (checkpoints never point at swap files),
+# so before creating its own directory a swapper removes those of processes of this host that no
+# longer exist, and says what it freed. Directories of other hosts (a shared filesystem) and of
+# live processes are never touched.
+_SWAP_DIR = re.compile(r"^ampzero-(offload|params|grads)-rank(\d+)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def swap_dir_name(kind: str, rank: int) -> str:
+    """A new swap directory's name: ``ampzero-<kind>-rank<r>-<host>-<pid>-<random>`` (see the note above)."""
+    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+    return f"ampzero-{kind}-rank{rank}-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def remove_dead_swap_dirs(path: Path) -> list[tuple[Path, int]]:
+    """Remove the swap directories under ``path`` left by dead processes of this host; ``[(dir, bytes)]``."""
+    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+    removed = []
+    try:
+        entries = list(path.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _SWAP_DIR.match(entry.name)
+        if m is None or m["host"] != host or not entry.is_dir() or _process_exists(int(m["pid"])):
+            continue
+        size = 0
+        for f in entry.rglob("*"):
+            try:
+                size += f.stat().st_blocks * 512 if f.is_file() else 0
+            except OSError:
+                pass
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            removed.append((entry, size))
+    if removed:
+        warnings.warn(
+            f"offload: removed {len(removed)} swap director{'y' if len(removed) == 1 else 'ies'} of processes that no"
+            f" longer exist ({_human(sum(b for _, b in removed))}, e.g. {str(removed[0][0])!r}): a run on this host was"
+            " killed before it could delete its swap files. Nothing of a checkpoint lives there.",
+            stacklevel=3,
+        )
+    return removed
+
+
 def check_nvme_dir(path: Path, needed: int, what: str = "") -> None:
     """Errors a user can act on for an NVMe swap directory: missing, not a directory, not writable, too small.
 
-    ``what`` names the swapped state in the out-of-space message (default: the optimizer's).
+    ``what`` names the swapped state in the out-of-space message (default: the optimizer's). Swap
+    directories of dead processes are removed first ([Note: swap directories of dead processes]).
     """
     if not path.exists():
         raise NvmeOffloadError(
@@ -124,6 +186,7 @@ def check_nvme_dir(path: Path, needed: int, what: str = "") -> None:
         )
     if not path.is_dir():
         raise NvmeOffloadError(f"offload.nvme_path={str(path)!r} is not a directory. Point nvme_path at a directory.")
+    remove_dead_swap_dirs(path)
     probe = path / f".ampzero-write-probe-{uuid.uuid4().hex}"
     try:
         with open(probe, "wb") as f:
@@ -161,7 +224,7 @@ class NvmeStore:
         needed = sum(self.group_sizes) * _FP32 * len(STATE_NAMES)
         root = Path(root)
         check_nvme_dir(root, needed)
-        self.dir = root / f"ampzero-offload-rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.dir = root / swap_dir_name("offload", rank)
         self.dir.mkdir()
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
         self._broken: Optional[str] = None
