@@ -57,7 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ampzero.offload.params import _groups
-from lightning_ampzero.offload.store import _SPACE_ERRNOS, NvmeOffloadError, _human, check_nvme_dir, swap_dir_name
+from lightning_ampzero.offload.store import _SPACE_ERRNOS, NvmeOffloadError, create_swap_file
 
 _ALIGN = 64  # bytes: every shard starts aligned for any dtype's view of the map
 _PAGE = 4096
@@ -131,23 +131,11 @@ class GradSwapper:
             if unit.entries:
                 self.units.append(unit)
         self.file_bytes = _up(max(offset, 1), _PAGE)
-        check_nvme_dir(root, self.file_bytes, what=f"{purpose} (this rank's gradient shards)")
-        self.dir = root / swap_dir_name("grads", rank)
-        self.dir.mkdir()
-        self.path = self.dir / "grads.swp"
+        self.dir, self.path, self._fd = create_swap_file(root, "grads", rank, self.file_bytes, purpose=purpose,
+                                                         what="this rank's gradient shards")
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
         self._broken: Optional[str] = None
         self._unlinked = False
-        try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.posix_fallocate(self._fd, 0, self.file_bytes)
-        except OSError as e:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            why = "out of space" if e.errno in _SPACE_ERRNOS else e.strerror
-            raise NvmeOffloadError(
-                f"{purpose}: creating the gradient swap file {self.path} ({_human(self.file_bytes)}) failed: {why}."
-                " Nothing was left behind. Free space or choose another nvme_path."
-            ) from e
         self.bytes_written = 0
         self.bytes_read = 0
         self.peak_pending_bytes = 0

@@ -59,7 +59,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_ampzero.offload.store import _SPACE_ERRNOS, NvmeOffloadError, _human, check_nvme_dir, swap_dir_name
+from lightning_ampzero.offload.store import _SPACE_ERRNOS, NvmeOffloadError, _human, create_swap_file
 
 _ALIGN = 64  # bytes: every shard starts aligned for any dtype's view of the buffer / map
 _PAGE = 4096  # bytes: each segment starts on a page (one read per segment, page-aligned)
@@ -192,23 +192,11 @@ class ParamSwapper:
         # would otherwise reserve gigabytes it never fills (NvmeStore clamps its tile the same way).
         self.buffer_bytes = max(s.nbytes for u in self.units for s in u.segments)
         self.device = self.units[0].group.device
-        check_nvme_dir(root, self.file_bytes, what=f"{purpose} (this rank's parameter shards)")
-        self.dir = root / swap_dir_name("params", rank)
-        self.dir.mkdir()
-        self.path = self.dir / "params.swp"
+        self.dir, self.path, self._fd = create_swap_file(root, "params", rank, self.file_bytes, purpose=purpose,
+                                                         what="this rank's parameter shards")
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
         self._broken: Optional[str] = None
         self._unlinked = False
-        try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.posix_fallocate(self._fd, 0, self.file_bytes)
-        except OSError as e:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            why = "out of space" if e.errno in _SPACE_ERRNOS else e.strerror
-            raise NvmeOffloadError(
-                f"{purpose}: creating the swap file {self.path} ({_human(self.file_bytes)}) failed: {why}. Nothing"
-                " was left behind. Free space or choose another nvme_path."
-            ) from e
         self.bytes_read = 0
         self.bytes_written = 0
         self.peak_buffers_in_use = 0

@@ -211,6 +211,34 @@ def check_nvme_dir(path: Path, needed: int, what: str = "") -> None:
         )
 
 
+def create_swap_file(root: Path, kind: str, rank: int, nbytes: int, *, purpose: str, what: str) -> tuple[Path, Path, int]:
+    """This rank's new swap directory under ``root`` with one file of ``nbytes``: ``(dir, file, fd)``.
+
+    The file is preallocated (``posix_fallocate``) so that a drive too small fails here, at setup,
+    not in the middle of a step; if that fails the directory is removed and the error names the
+    file, the size and the reason. ``what`` names the swapped state (e.g. "this rank's parameter
+    shards") in the free-space check's message.
+    """
+    check_nvme_dir(root, nbytes, what=f"{purpose} ({what})")
+    directory = root / swap_dir_name(kind, rank)
+    directory.mkdir()
+    path = directory / f"{kind}.swp"
+    fd = -1
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if fd >= 0:
+            os.close(fd)
+        shutil.rmtree(directory, ignore_errors=True)
+        why = "out of space" if e.errno in _SPACE_ERRNOS else e.strerror
+        raise NvmeOffloadError(
+            f"{purpose}: creating the swap file {path} for {what} ({_human(nbytes)}) failed: {why}. Nothing was"
+            " left behind. Free space or choose another nvme_path."
+        ) from e
+    return directory, path, fd
+
+
 class NvmeStore:
     """State in files under ``root`` (one per group and state), tiles read into ``buffer_count`` host buffers."""
 
