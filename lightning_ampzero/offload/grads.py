@@ -57,7 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ampzero.offload.params import _groups
-from lightning_ampzero.offload.store import _SPACE_ERRNOS, NvmeOffloadError, create_swap_file
+from lightning_ampzero.offload.store import NvmeOffloadError, create_swap_file, failure_reason, swap_file_problem
 
 _ALIGN = 64  # bytes: every shard starts aligned for any dtype's view of the map
 _PAGE = 4096
@@ -258,20 +258,13 @@ class GradSwapper:
     def _check(self, what: str) -> None:
         if self._broken is not None:
             raise NvmeOffloadError(self._broken)
-        st = os.fstat(self._fd)
-        if st.st_nlink == 0 and not self._unlinked:
-            raise self._fail(what, f"the gradient swap file {self.path} was deleted while the job ran")
-        if st.st_size < self.file_bytes:
-            raise self._fail(what, f"the gradient swap file {self.path} was truncated to {st.st_size:,} bytes while"
-                                   f" the job ran (it holds {self.file_bytes:,})")
+        problem = swap_file_problem(self._fd, self.path, self.file_bytes, unlinked=self._unlinked,
+                                    label="gradient swap file")
+        if problem is not None:
+            raise self._fail(what, problem)
 
     def _fail(self, what: str, e: "BaseException | str") -> NvmeOffloadError:
-        if isinstance(e, str):
-            why = e
-        elif isinstance(e, OSError) and e.errno in _SPACE_ERRNOS:
-            why = f"out of space writing {self.path}"
-        else:
-            why = f"{e} ({self.path})"
+        why = failure_reason(e, self.path)
         if self._broken is None:
             self._broken = (
                 f"{self.purpose}: {what} failed: {why}. This rank's gradients of this step cannot be trusted, so the"

@@ -211,6 +211,25 @@ def check_nvme_dir(path: Path, needed: int, what: str = "") -> None:
         )
 
 
+def swap_file_problem(fd: int, path: Path, file_bytes: int, *, unlinked: bool, label: str) -> Optional[str]:
+    """What is wrong with an open swap file (deleted or truncated under the job, checked by ``fstat``), or None."""
+    st = os.fstat(fd)
+    if st.st_nlink == 0 and not unlinked:
+        return f"the {label} {path} was deleted while the job ran"
+    if st.st_size < file_bytes:
+        return f"the {label} {path} was truncated to {st.st_size:,} bytes while the job ran (it holds {file_bytes:,})"
+    return None
+
+
+def failure_reason(e: "BaseException | str", path: Path) -> str:
+    """A swap file's failure in words: a message as is, a full drive by name, else the error and the file."""
+    if isinstance(e, str):
+        return e
+    if isinstance(e, OSError) and e.errno in _SPACE_ERRNOS:
+        return f"out of space writing {path}"
+    return f"{e} ({path})"
+
+
 def create_swap_file(root: Path, kind: str, rank: int, nbytes: int, *, purpose: str, what: str) -> tuple[Path, Path, int]:
     """This rank's new swap directory under ``root`` with one file of ``nbytes``: ``(dir, file, fd)``.
 
