@@ -44,9 +44,7 @@ directory and makes every further use raise an :class:`NvmeOffloadError` naming 
 
 from __future__ import annotations
 
-import errno
 import mmap
-import os
 import shutil
 import weakref
 from dataclasses import dataclass
@@ -57,16 +55,20 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ampzero.offload.params import _groups
-from lightning_ampzero.offload.store import NvmeOffloadError, create_swap_file, failure_reason, swap_file_problem
+from lightning_ampzero.offload.store import (
+    NvmeOffloadError,
+    create_swap_file,
+    failure_reason,
+    pread_all,
+    pwrite_all,
+    round_up,
+    swap_file_problem,
+)
 
 _ALIGN = 64  # bytes: every shard starts aligned for any dtype's view of the map
 _PAGE = 4096
 _CHUNK = 1 << 20  # elements: accumulation reads the sum so far in pieces this large (4 MiB in fp32)
 _ATTR = "_ampzero_grad_swapper"  # on the model, and on each swapped parameter (how OffloadedAdam finds it)
-
-
-def _up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
 
 
 @dataclass(eq=False)
@@ -123,14 +125,14 @@ class GradSwapper:
                     continue
                 numel = fp.sharded_size.numel()
                 nbytes = numel * param.dtype.itemsize
-                offset = _up(offset, _ALIGN)
+                offset = round_up(offset, _ALIGN)
                 entry = _Entry(fp, fp._param_fqn or name, param.dtype, numel, fp.sharded_size, nbytes, offset)
                 offset += nbytes
                 unit.entries.append(entry)
                 self._entries[id(param)] = entry
             if unit.entries:
                 self.units.append(unit)
-        self.file_bytes = _up(max(offset, 1), _PAGE)
+        self.file_bytes = round_up(max(offset, 1), _PAGE)
         self.dir, self.path, self._fd = create_swap_file(root, "grads", rank, self.file_bytes, purpose=purpose,
                                                          what="this rank's gradient shards")
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
@@ -233,27 +235,16 @@ class GradSwapper:
 
     # ---- raw I/O and failure ---------------------------------------------------------------------
     def _pwrite(self, src: Tensor, offset: int) -> None:
-        view = memoryview(src.view(torch.uint8).numpy()).cast("B")
-        done = 0
         try:
-            while done < len(view):
-                done += os.pwritev(self._fd, [view[done:]], offset + done)
+            self.bytes_written += pwrite_all(self._fd, src, offset)
         except OSError as e:
             raise self._fail("writing gradients", e) from e
-        self.bytes_written += len(view)
 
     def _pread_checked(self, dst: Tensor, offset: int, what: str) -> None:
-        view = memoryview(dst.view(torch.uint8).numpy()).cast("B")
-        done = 0
         try:
-            while done < len(view):
-                n = os.preadv(self._fd, [view[done:]], offset + done)
-                if n <= 0:
-                    raise OSError(errno.EIO, f"short read at byte {offset + done} of {self.path}: the file ends early")
-                done += n
+            self.bytes_read += pread_all(self._fd, dst, offset, self.path)
         except OSError as e:
             raise self._fail(what, e) from e
-        self.bytes_read += len(view)
 
     def _check(self, what: str) -> None:
         if self._broken is not None:

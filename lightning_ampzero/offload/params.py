@@ -46,8 +46,6 @@ parameters since the last checkpoint are not trustworthy, the checkpoint itself 
 
 from __future__ import annotations
 
-import errno
-import os
 import shutil
 import threading
 import weakref
@@ -59,15 +57,20 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_ampzero.offload.store import NvmeOffloadError, _human, create_swap_file, failure_reason, swap_file_problem
+from lightning_ampzero.offload.store import (
+    NvmeOffloadError,
+    _human,
+    create_swap_file,
+    failure_reason,
+    pread_all,
+    pwrite_all,
+    round_up,
+    swap_file_problem,
+)
 
 _ALIGN = 64  # bytes: every shard starts aligned for any dtype's view of the buffer / map
 _PAGE = 4096  # bytes: each segment starts on a page (one read per segment, page-aligned)
 _ATTR = "_ampzero_param_swapper"
-
-
-def _up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
 
 
 @dataclass(eq=False)
@@ -167,12 +170,12 @@ class ParamSwapper:
                         " offload_param.buffer_size)."
                     )
                 # Greedy packing in order: a new segment when the shard does not fit the current one.
-                if not unit.segments or _up(unit.segments[-1].nbytes, _ALIGN) + entry.nbytes > capacity:
-                    offset = _up(offset, _PAGE)
+                if not unit.segments or round_up(unit.segments[-1].nbytes, _ALIGN) + entry.nbytes > capacity:
+                    offset = round_up(offset, _PAGE)
                     unit.segments.append(_Segment(offset, 0))
                 seg = unit.segments[-1]
                 entry.segment = len(unit.segments) - 1
-                entry.seg_offset = _up(seg.nbytes, _ALIGN)
+                entry.seg_offset = round_up(seg.nbytes, _ALIGN)
                 entry.file_offset = seg.file_offset + entry.seg_offset
                 seg.nbytes = entry.seg_offset + entry.nbytes
                 offset = seg.file_offset + seg.nbytes
@@ -186,7 +189,7 @@ class ParamSwapper:
                     f"{buffer_count}. Raise param_buffer_count to >= {len(unit.segments)} or param_buffer_size."
                 )
             self.units.append(unit)
-        self.file_bytes = _up(max(offset, 1), _PAGE)
+        self.file_bytes = round_up(max(offset, 1), _PAGE)
         self.buffer_count = int(buffer_count)
         # No buffer larger than the largest segment: with the default 1e8 elements a small model
         # would otherwise reserve gigabytes it never fills (NvmeStore clamps its tile the same way).
@@ -294,27 +297,18 @@ class ParamSwapper:
 
     # ---- raw I/O ---------------------------------------------------------------------------------
     def _pwrite(self, src: Tensor, offset: int, what: str) -> None:
-        view = memoryview(src.contiguous().view(torch.uint8).numpy()).cast("B")
-        done = 0
         try:
-            while done < len(view):
-                done += os.pwritev(self._fd, [view[done:]], offset + done)
+            n = pwrite_all(self._fd, src, offset)
         except OSError as e:
             raise self._fail(f"{what} parameters", e) from e
         with self._lock:
-            self.bytes_written += len(view)
+            self.bytes_written += n
 
     def _pread(self, dst: Tensor, offset: int) -> None:
         """Fill ``dst`` (contiguous) from the file; raises OSError on a short read (a truncated file)."""
-        view = memoryview(dst.view(torch.uint8).numpy()).cast("B")
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"short read at byte {offset + done} of {self.path}: the file ends early")
-            done += n
+        n = pread_all(self._fd, dst, offset, self.path)
         with self._lock:
-            self.bytes_read += len(view)
+            self.bytes_read += n
 
     def _read_unit(self, unit: _Unit, buffers: list[int]) -> None:
         """Runs on an I/O thread: each segment into its buffer, after the buffer's last reader finished."""

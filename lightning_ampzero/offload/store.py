@@ -211,6 +211,32 @@ def check_nvme_dir(path: Path, needed: int, what: str = "") -> None:
         )
 
 
+def round_up(n: int, to: int) -> int:
+    """``n`` rounded up to a multiple of ``to`` (swap-file layouts: alignment, pages)."""
+    return (n + to - 1) // to * to
+
+
+def pwrite_all(fd: int, src: Tensor, offset: int) -> int:
+    """Write every byte of ``src`` at ``offset`` (``pwritev`` may write less than asked: loop); the byte count."""
+    view = memoryview(src.contiguous().view(torch.uint8).numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwritev(fd, [view[done:]], offset + done)
+    return len(view)
+
+
+def pread_all(fd: int, dst: Tensor, offset: int, path: Path) -> int:
+    """Fill contiguous ``dst`` from ``offset``; a short read (a truncated file) is an ``OSError`` naming ``path``."""
+    view = memoryview(dst.view(torch.uint8).numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short read at byte {offset + done} of {path}: the file ends early")
+        done += n
+    return len(view)
+
+
 def swap_file_problem(fd: int, path: Path, file_bytes: int, *, unlinked: bool, label: str) -> Optional[str]:
     """What is wrong with an open swap file (deleted or truncated under the job, checked by ``fstat``), or None."""
     st = os.fstat(fd)
