@@ -2,15 +2,18 @@
 
     python benchmarks/bench_user_launch.py            # 5 repetitions, about 6 minutes on 2 cores
     python benchmarks/bench_user_launch.py --reps 2   # quicker, noisier
+    python benchmarks/bench_user_launch.py --precision bf16-mixed   # -> user_launch_bf16-mixed.{json,md}
 
 Each repetition runs the same script once per strategy (Lightning's ``ddp``, then
 ``ampzero_stage_0`` ... ``ampzero_stage_3``, in an order rotated per repetition) as its own
 command, with ``OMP_NUM_THREADS`` removed from the environment: whatever threads each rank
 computes with is what the strategy gives it. Workload (the issue's): a GPT of 6 blocks x 256
-wide, 4 heads, vocab 256, micro-batch 4 x 64 tokens per rank, 2 CPU ranks, fp32, AdamW, no
+wide, 4 heads, vocab 256, micro-batch 4 x 64 tokens per rank, 2 CPU ranks, fp32 (or
+``--precision``), AdamW, no
 accumulation; 5 warm-up steps, then 20 timed (wall time between the starts of consecutive steps,
 rank 0). Ratios are against ``ddp`` in the same repetition; median [min-max] over repetitions.
-Writes ``benchmarks/results/user_launch.{json,md}``.
+Writes ``benchmarks/results/user_launch.{json,md}`` (``user_launch_<precision>.*`` for another
+precision).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ STRATEGIES = ("ddp", "ampzero_stage_0", "ampzero_stage_1", "ampzero_stage_2", "a
 WARMUP, TIMED = 5, 20
 
 
-def _user_script(strategy: str, out: str) -> None:
+def _user_script(strategy: str, out: str, precision: str) -> None:
     """What a user writes: a LightningModule, a DataLoader, a Trainer (the launched command)."""
     import torch
     import lightning.pytorch as pl
@@ -55,16 +58,16 @@ def _user_script(strategy: str, out: str) -> None:
     tokens = torch.randint(0, 256, (4 * 2 * (WARMUP + TIMED + 1), 65))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
     model = GPTModule(model=GPTConfig(n_layer=6, n_embd=256, n_head=4, block_size=64, vocab_size=256), lr=1e-3)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=WARMUP + TIMED + 1,
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=WARMUP + TIMED + 1, precision=precision,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[Clock()])
     trainer.fit(model, data)
 
 
-def _run(strategy: str, out: Path) -> dict:
+def _run(strategy: str, out: Path, precision: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, "--worker", strategy, str(out)], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, __file__, "--worker", strategy, str(out), precision], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"{strategy} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
@@ -75,7 +78,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--worker", nargs=2, metavar=("STRATEGY", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"))
+    p.add_argument("--worker", nargs=3, metavar=("STRATEGY", "OUT", "PRECISION"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         _user_script(*args.worker)
@@ -87,7 +91,7 @@ def main() -> None:
         order = STRATEGIES[rep % len(STRATEGIES):] + STRATEGIES[:rep % len(STRATEGIES)]
         runs = {}
         for strategy in order:
-            r = _run(strategy, out_dir / f".user_launch_{strategy}.json")
+            r = _run(strategy, out_dir / f".user_launch_{strategy}.json", args.precision)
             runs[strategy] = {**r, "median_ms": 1e3 * statistics.median(r["step_s"])}
             print(f"[rep {rep}] {strategy:16s} {runs[strategy]['median_ms']:.1f} ms/step,"
                   f" {r['threads']} thread(s), OMP_NUM_THREADS={r['omp']}", flush=True)
@@ -100,17 +104,20 @@ def main() -> None:
         ratio = [r[strategy]["median_ms"] / r["ddp"]["median_ms"] for r in reps]
         rows.append({"strategy": strategy, "median_ms": statistics.median(ms), "ratio_vs_ddp": statistics.median(ratio),
                      "ratio_min": min(ratio), "ratio_max": max(ratio), "threads": reps[0][strategy]["threads"]})
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "reps": args.reps, "rows": rows, "raw": reps,
-              "command": "python benchmarks/bench_user_launch.py" + (f" --reps {args.reps}" if args.reps != 5 else "")}
-    (out_dir / "user_launch.json").write_text(json.dumps(result, indent=1))
+    stem = "user_launch" if args.precision == "32-true" else f"user_launch_{args.precision}"
+    command = "python benchmarks/bench_user_launch.py" + (f" --reps {args.reps}" if args.reps != 5 else "")
+    command += f" --precision {args.precision}" if args.precision != "32-true" else ""
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "reps": args.reps, "precision": args.precision, "rows": rows,
+              "raw": reps, "command": command}
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
     lines = [f"# Step time as users launch it ({result['date']}, {args.reps} repetitions)", "",
              f"`{result['command']}`: a plain Trainer script per strategy, OMP_NUM_THREADS unset; GPT 6 x 256,"
-             " micro-batch 4 x 64 per rank, 2 CPU ranks, fp32.", "",
+             f" micro-batch 4 x 64 per rank, 2 CPU ranks, {args.precision}.", "",
              "| strategy | threads per rank | ms/step (median) | / ddp, median [min-max] |", "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['strategy']} | {r['threads']} | {r['median_ms']:.1f} | {r['ratio_vs_ddp']:.3f}"
                      f" [{r['ratio_min']:.3f}-{r['ratio_max']:.3f}] |")
-    (out_dir / "user_launch.md").write_text("\n".join(lines) + "\n")
+    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -82,6 +82,11 @@ def test_benchmark_harness_smoke(tmp_path):
     kinds = " ".join(t["target"] for t in result["targets"])
     assert "model-state bytes ampzero/s2/32-true" in kinds and "communicated elements ampzero/s2/32-true" in kinds
     assert "step time ampzero/s2/32-true / fsdp2" in kinds
+    # issue 16's bar for stages 1-3 is bare DDP in the same launch, with its stage's limit
+    to_ddp = result["ratios"]["ampzero/s2/32-true vs_ddp"]
+    assert to_ddp["denominator"] == "ddp/s0/32-true" and to_ddp["median"] > 0
+    row = next(t for t in result["targets"] if t["target"].startswith("step time ampzero/s2/32-true / ddp"))
+    assert row["limit"] == 1.05 and row["met"] == (to_ddp["median"] <= 1.05)
 
     md = (tmp_path / "smoke.md").read_text()
     assert "## Targets" in md and "fsdp2/s2/32-true" in md and env["versions"]["torch"] in md

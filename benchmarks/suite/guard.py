@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 #: The step-time ratios that guard ampzero's speed (report.py's kinds; vs_fsdp2 at stage 0 is bare DDP).
-GUARDED_KINDS = ("vs_fsdp2", "vs_deepspeed", "vs_lightning_ddp")
+GUARDED_KINDS = ("vs_fsdp2", "vs_ddp", "vs_deepspeed", "vs_lightning_ddp")
 TOLERANCE = 0.15
 
 

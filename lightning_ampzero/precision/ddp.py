@@ -110,8 +110,8 @@ def _reduce_in_dtypes(state: _ReduceState, bucket):  # type: ignore[no-untyped-d
         whole = len(index) == len(grads)
         flat = buffer if whole else torch.cat([grads[i].reshape(-1) for i in index])
         # Divide before the cast: the sum of world_size gradients cannot then overflow a low dtype
-        # where the mean does not.
-        send = flat.div(world).to(dtype) if dtype != buffer.dtype else flat.div_(world)
+        # where the mean does not. In place: ``unpack`` writes every reduced value back over it.
+        send = flat.div_(world).to(dtype)  # no copy where dtype is the buffer's
         futures.append(dist.all_reduce(send, group=group, async_op=True).get_future())
         packs.append((index, send))
 

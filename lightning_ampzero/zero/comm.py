@@ -91,9 +91,10 @@ class LowPrecisionReduceScatter(_PlainAlloc, _RSBase):
         async_op: bool = False,
     ) -> Optional[dist.Work]:
         if op == dist.ReduceOp.AVG:
-            # divide straight into the low-dtype buffer: no fp32 temporary the size of the input
-            send = torch.empty(input_tensor.shape, dtype=self.dtype, device=input_tensor.device)
-            torch.div(input_tensor, dist.get_world_size(group), out=send)
+            # Divide FSDP2's fp32 reduce-scatter input in place (its own, as the ring's), then round:
+            # the same bits as a division into a low-dtype ``out=``, which on CPU costs 3x as much
+            # (6.2 against 0.6 + 1.2 ms for 4.7M elements, one thread).
+            send = input_tensor.div_(dist.get_world_size(group)).to(self.dtype)
             op = dist.ReduceOp.SUM
         elif op == dist.ReduceOp.SUM:  # FSDP2 divides before / after the call itself
             send = input_tensor.to(self.dtype)
