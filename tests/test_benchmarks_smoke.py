@@ -115,3 +115,22 @@ def test_regression_guard_compares_same_launch_ratios():
     now["targets"] = [{"target": "loss parity ampzero/s2/32-true vs ddp", "met": False, "value": 1e-3, "limit": 1e-4}]
     assert len(guard.compare(now, base)["regressions"]) == 2
     assert "2 regression(s)" in guard.render(guard.compare(now, base), "b.json")
+
+
+def test_regression_guard_needs_wall_and_cpu_time_unless_wall_time_doubles_the_tolerance():
+    from benchmarks.suite import guard
+
+    def run(**pairs):  # name -> (wall-time median, CPU-time median)
+        return {"ratios": {f"ampzero/{n}/32-true vs_ddp": {"config": f"ampzero/{n}/32-true", "kind": "vs_ddp",
+                                                           "median": w, "cpu": {"median": c}}
+                           for n, (w, c) in pairs.items()}}
+
+    base = run(s1=(1.0, 1.0), s2=(1.0, 1.0), s3=(1.0, 1.0), s0=(1.0, 1.0))
+    now = run(s1=(1.20, 1.02),   # wall time only, within twice the tolerance: another job's noise
+              s2=(1.20, 1.20),   # both: more work per step
+              s3=(1.31, 1.00),   # wall time alone, past twice the tolerance: more waiting
+              s0=(1.10, 1.40))   # CPU time alone: not slower for the user
+    verdict = guard.compare(now, base)
+    assert sorted(r["ratio"] for r in verdict["regressions"]) == ["ampzero/s2/32-true vs_ddp",
+                                                                   "ampzero/s3/32-true vs_ddp"]
+    assert "CPU +20.0%" in guard.render(verdict, "b.json")
