@@ -366,3 +366,43 @@ def test_stage3_prefetch_skips_groups_that_stay_gathered():
     assert r["fwd"] == {a: [b] for a, b in zip(order, order[1:])} | {"head": []} | persistent
     back = order[::-1]
     assert r["bwd"] == {a: [b] for a, b in zip(back, back[1:])} | {"wte": []} | persistent
+
+
+def _stage2_wire_cast_body(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_ampzero.config import PrecisionConfig, ZeroConfig
+    from lightning_ampzero.precision.plugin import AmpZeroPrecision
+    from lightning_ampzero.precision.policy import dtype_plan, fsdp_policies
+    from lightning_ampzero.zero.apply import apply_zero
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for cast in (False, True):
+        model = _gpt()
+        root, per_module = fsdp_policies(dtype_plan("bf16-mixed", PrecisionConfig()), model, 2, cast_on_wire=cast)
+        apply_zero(model, mesh, ZeroConfig(stage=2, param_persistence_threshold=0), root, module_policies=per_module)
+        losses, calls = _train(model, rank)
+        out[cast] = {"groups": _groups(model), "losses": losses, "params": _full(model),
+                     "fsdp_reduce": sorted({str(p.reduce_dtype) for p in per_module.values()}),
+                     "calls": sorted(Counter(calls).items())}
+    # what the strategy asks for on this gloo group
+    _, chosen = AmpZeroPrecision("bf16-mixed").fsdp_policies(_gpt(), 2)
+    out["plugin_comm_dtypes"] = sorted({str(getattr(p, "comm_dtype", None)) for p in chosen.values()})
+    return out
+
+
+def test_stage2_on_gloo_packs_in_fp32_and_casts_for_the_wire_with_the_same_bits():
+    # FSDP2's own bf16 packing (torch._chunk_cat into a bf16 buffer) costs 3x a copy and a cast
+    # on CPU; on gloo stage 2 packs in fp32 and LowPrecisionReduceScatter casts. With 2 ranks the
+    # division by the world size is exact, so rounding before or after it gives the same bits.
+    results = spawn(_stage2_wire_cast_body, world_size=2, timeout=240)
+    for r in results:
+        fsdp2_path, wire_cast = r[False], r[True]
+        assert fsdp2_path["groups"] == wire_cast["groups"]  # same groups, bf16 on the wire for the Linears
+        assert fsdp2_path["fsdp_reduce"] == ["torch.bfloat16"] and wire_cast["fsdp_reduce"] == ["None"]
+        assert fsdp2_path["calls"] == wire_cast["calls"]
+        assert fsdp2_path["losses"] == wire_cast["losses"]
+        for name, p in fsdp2_path["params"].items():
+            assert torch.equal(p, wire_cast["params"][name]), name
+        assert r["plugin_comm_dtypes"] == ["torch.bfloat16"]

@@ -9,7 +9,11 @@ fp32 and only communicates in the low dtype. Stage 1 therefore gives those group
 ``reduce_dtype=None`` (fp32: accumulation and FSDP2's buffers), plus :class:`LowPrecisionReduceScatter`
 as the group's reduce-scatter, which casts to the low dtype for the wire only. Stages 2 and 3
 reduce every micro-batch and accumulate the fp32 shards, so they keep FSDP2's own low-dtype
-reduce-scatter.
+reduce-scatter, except stage 2 on gloo: there FSDP2's packing of fp32 gradients into a bf16
+buffer (``torch._chunk_cat(..., out=bf16)``) costs 3x packing in fp32 and casting once, so it
+takes this path too (``precision.policy.fsdp_policies(cast_on_wire=True)``; same bits with 2
+ranks, tests/test_zero_lowp_units.py). Stage 3 gathers those modules in the low dtype, so their
+gradients are low already and FSDP2 packs without a cast.
 
 [Note: gloo collectives by a ring]
 Gloo's all-reduce is a tuned ring; its reduce-scatter is an all-reduce of the whole input (twice
