@@ -1,9 +1,10 @@
 """The benchmark suite in one command: ampzero against DeepSpeed, raw FSDP2 and DDP, side by side.
 
-    python benchmarks/run.py            # full CPU suite (about 10-15 minutes on 2 cores)
+    python benchmarks/run.py            # full CPU suite (about 6 minutes on 2 cores; 10 with --reps 5)
     python benchmarks/run.py --quick    # smaller model, fewer configurations (under 3 minutes), then
-                                        # the regression guard: exit 1 when a ratio is >15% worse
-                                        # than the committed results/cpu_quick.json
+                                        # the regression guard: exit 1 when a ratio's wall and CPU time are both
+                                        # >15% worse (or its wall time alone >30%) than the
+                                        # committed results/cpu_quick.json
     python benchmarks/run.py --gpu      # single-GPU suite (needs CUDA; see benchmarks/suite/gpu.py)
 
 Writes ``benchmarks/results/cpu.{json,md}``, ``cpu_summary.md`` and ``cpu_*.png`` (``cpu_quick*``
@@ -53,7 +54,7 @@ NOTES = [
     " repetition; the table gives the median over repetitions [min-max]. tokens/s = global tokens per step"
     " / median step time.",
     "Ratios are computed per repetition (both medians from the same launch) and summarised as median"
-    " [min-max] over repetitions. The machine is shared (another engineer's tests ran concurrently), so"
+    " [min-max] over repetitions. The machine is shared (jobs outside this VM may run at the same time), so"
     " only same-launch ratios are meaningful; absolute milliseconds drift with the load.",
     "Peak RSS: VmHWM per process, reset through /proc/self/clear_refs when the configuration starts and read"
     " when its profiled step starts (so: setup + warm-up + timed steps). Absolute values include the"
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per repetition")
     p.add_argument("--guard", default="", help="results JSON to guard against (default for --quick:"
-                   " the committed results/cpu_quick.json); exit 1 when a ratio is more than 15%% worse")
+                   " the committed results/cpu_quick.json); exit 1 when a ratio's wall and CPU time are both more than"
+                   " 15%% worse, or its wall time alone more than 30%% (suite/guard.py)")
     p.add_argument("--no-guard", action="store_true", help="skip the regression guard")
     p.add_argument("--from-json", default="", help="rewrite the markdown and plots of an earlier run's JSON")
     p.add_argument("--gpu", action="store_true", help="run the single-GPU suite instead (benchmarks/suite/gpu.py;"

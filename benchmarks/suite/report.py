@@ -342,7 +342,7 @@ def markdown(result: dict) -> str:
         f"- Command: `{result.get('command', 'python benchmarks/run.py')}` ({len(result['configs'])} configurations)",
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 2**30:.0f} GiB, {m['platform']};"
         f" load average at start {', '.join(f'{x:.1f}' for x in m['load_average_at_start'])} (shared machine:"
-        " other jobs ran concurrently)",
+        " jobs outside this VM may run at the same time)",
         f"- Versions: python {v['python']}, torch {v['torch']}, lightning {v['lightning']}, deepspeed"
         f" {v['deepspeed'] or 'not installed'}, lightning_ampzero {v['lightning_ampzero']}",
         f"- Workload: GPT {w['n_layer']} layers x {w['n_embd']} wide, {w['n_head']} heads, vocab {w['vocab']},"
