@@ -177,7 +177,8 @@ def run_cpu(args: argparse.Namespace) -> list[Path]:
                 # a worker then died during interpreter shutdown. Seen twice in 34 launches
                 # (torch 2.13, "terminate called without an active exception" on one rank): the
                 # measurements are whole, so they count, and the run says what happened.
-                last = next((x.strip() for x in reversed(tail) if "terminate" in x or "Error" in x), tail[-1].strip())
+                last = next((x.strip() for x in reversed(tail) if "terminate" in x or "Error" in x),
+                            tail[-1].strip() if tail else "no output")
                 exit_warnings.append(f"repetition {rep}: all configurations recorded, then a worker exited"
                                      f" with {proc.returncode} at shutdown ({last})")
                 print(f"  warning: {exit_warnings[-1]}", flush=True)
