@@ -124,8 +124,9 @@ def test_fsdp_policies_per_precision_and_stage():
     assert (root.param_dtype, root.reduce_dtype) == (None, None)
     assert set(per_module) == linears and len(linears) == 9
     assert {(p.param_dtype, p.reduce_dtype) for p in per_module.values()} == {(F16, F16)}
+    # below stage 3: fp32 gradients (accumulation), sent in the low dtype (how: apply_zero decides by the mesh)
     _, per_module = fsdp_policies(dtype_plan("bf16-mixed", PrecisionConfig()), model, 2)
-    assert {(p.param_dtype, p.reduce_dtype) for p in per_module.values()} == {(None, BF16)}
+    assert {(p.param_dtype, p.reduce_dtype, p.comm_dtype) for p in per_module.values()} == {(None, None, BF16)}
     # an explicit communication dtype applies to everything: no per-module units
     root, per_module = fsdp_policies(dtype_plan("bf16-mixed", PrecisionConfig(communication_data_type="fp32")), model, 3)
     assert per_module == {} and root.reduce_dtype is None

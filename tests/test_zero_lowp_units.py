@@ -1,10 +1,13 @@
-"""bf16-mixed on FSDP2: the ``lower_precision_safe_modules`` of a unit share ONE low-precision group.
+"""bf16-mixed on FSDP2: the ``lower_precision_safe_modules`` of a unit share ONE low-precision group
+(stage 3), or no group of their own at all (stages 1-2 on gloo: their unit's group sends their
+gradients in bf16, [Note: one group, two wire dtypes] in zero/comm.py).
 
 2 CPU ranks (gloo), the small GPT, stages 1-3, bare loop (autocast + AdamW) over ``apply_zero``:
 
 * collectives per step, counted at the c10d dispatcher (every all-gather / reduce-scatter passes
-  through it): 2 groups per block (its Linears, the rest) + the leftovers, against one group per
-  Linear before; Linear gradients reduced (and under stage 3 gathered) in bf16, the rest in fp32;
+  through it): stage 3, 2 groups per block (its Linears, the rest) + the leftovers, against one
+  group per Linear before; stages 1-2, one group per block, reduce-scattering its Linears' part in
+  bf16 and the rest in fp32; Linear gradients reduced (and under stage 3 gathered) in bf16, the rest in fp32;
 * the same losses and final parameters, bit for bit, as the layout with one unit per Linear
   (the same arithmetic per element), and losses within 1e-5 of DDP with the bf16 comm hook (the
   tolerance of test_precision.py's stage agreement);
@@ -109,20 +112,29 @@ def _full(model):
             for n, p in model.named_parameters()}
 
 
-def _groups(model):
-    """Each FSDP2 group (one fully_shard call): its modules' names and (param_dtype, wire dtype of its gradients).
+def _wire(state):
+    """The wire dtype of a group's gradients: the policy's ``reduce_dtype``, or its ``comm_dtype`` where a
+    custom reduce-scatter sends in that dtype (stage 1 safe modules, zero/comm.py), or "float32+bfloat16"
+    for a group that sends its safe modules' part in bf16 and the rest in fp32 (MixedWireReduceScatter)."""
+    from lightning_ampzero.zero.comm import MixedWireReduceScatter
 
-    The wire dtype is the policy's ``reduce_dtype``, or its ``comm_dtype`` where a custom
-    reduce-scatter sends in that dtype (stage 1 safe modules, zero/comm.py)."""
+    pol = state._mp_policy
+    custom = state._fsdp_param_group._reduce_scatter_comm if state._fsdp_param_group is not None else None
+    if isinstance(custom, MixedWireReduceScatter):
+        low = {id(fp.sharded_param) in custom._low for fp in state._fsdp_param_group.fsdp_params}
+        return "+".join(sorted({"float32" if not f else str(custom.dtype).removeprefix("torch.") for f in low}))
+    return str(getattr(pol, "comm_dtype", None) or pol.reduce_dtype)
+
+
+def _groups(model, root=False):
+    """Each FSDP2 group (one fully_shard call): its modules' names and (param_dtype, wire dtype of its gradients)."""
     from torch.distributed.fsdp import FSDPModule
 
     states: dict[int, list] = {}
     for name, m in model.named_modules():
-        if isinstance(m, FSDPModule) and m is not model:
+        if isinstance(m, FSDPModule) and (m is not model or root):
             state = m._get_fsdp_state()
-            pol = state._mp_policy
-            wire = getattr(pol, "comm_dtype", None) or pol.reduce_dtype
-            states.setdefault(id(state), [[], (str(pol.param_dtype), str(wire))])[0].append(name)
+            states.setdefault(id(state), [[], (str(state._mp_policy.param_dtype), _wire(state))])[0].append(name)
     return sorted((tuple(names), dtypes) for names, dtypes in states.values())
 
 
@@ -207,6 +219,7 @@ def _body(rank, world_size, stage):
     root, per_module = _policies(whole, stage)
     apply_zero(whole, mesh, ZeroConfig(stage=stage, param_persistence_threshold=0), root, module_policies=per_module)
     out["whole_groups"] = _groups(whole)
+    out["whole_root"] = _groups(whole, root=True)
     out["whole_losses"], out["whole_calls"] = _train(whole, rank)
 
     ref = _gpt()
@@ -228,45 +241,60 @@ LINEARS = ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
 @pytest.mark.slow  # the run fixture: 3 spawns of 2 ranks, about 40 s in all
 def test_linears_of_a_unit_are_one_group(run):
     stage, results = run
-    low = "torch.bfloat16" if stage == 3 else "None"
     groups = results[0]["groups"]
-    expected = sorted(
-        [(tuple(f"blocks.{b}.{n}" for n in LINEARS), (low, "torch.bfloat16")) for b in range(N_LAYER)]
-        + [((f"blocks.{b}",), ("None", "None")) for b in range(N_LAYER)]
-        + [(("wte", "wpe"), ("None", "None")), (("ln_f",), ("None", "None")), (("head",), (low, "torch.bfloat16"))]
-    )
-    assert groups == expected
     whole = results[0]["whole_groups"]
     linears = tuple(f"blocks.{b}.{n}" for b in range(N_LAYER) for n in LINEARS)
     if stage == 3:
+        low = "torch.bfloat16"
+        expected = sorted(
+            [(tuple(f"blocks.{b}.{n}" for n in LINEARS), (low, "torch.bfloat16")) for b in range(N_LAYER)]
+            + [((f"blocks.{b}",), ("None", "None")) for b in range(N_LAYER)]
+            + [(("wte", "wpe"), ("None", "None")), (("ln_f",), ("None", "None")), (("head",), (low, "torch.bfloat16"))]
+        )
+        assert groups == expected
         assert (linears, (low, "torch.bfloat16")) in whole
         assert (tuple(f"blocks.{b}" for b in range(N_LAYER)), ("None", "None")) in whole
         assert len(whole) == 5
     else:
-        # Below stage 3 a model that fits one bucket is one unit: every Linear of the model (the
-        # head too) is one low-precision group, the rest is the root: one group per dtype.
-        assert whole == [(linears + ("head",), (low, "torch.bfloat16"))]  # in module order
+        # Below stage 3 on gloo the Linears stay in their unit's group, which sends their
+        # gradients in bf16 and the LayerNorms' in fp32 (the unit of ln_f and the head likewise).
+        assert groups == sorted(
+            [((f"blocks.{b}",), ("None", "bfloat16+float32")) for b in range(N_LAYER)]
+            + [(("wte", "wpe"), ("None", "None")), (("ln_f", "head"), ("None", "bfloat16+float32"))]
+        )
+        # A model that fits one bucket is one unit, the root: one group, two wire dtypes.
+        assert whole == []
+        assert results[0]["whole_root"] == [(("",), ("None", "bfloat16+float32"))]
 
 
 @pytest.mark.slow  # the run fixture: 3 spawns of 2 ranks, about 40 s in all
 def test_collectives_per_step_two_per_block_and_their_dtypes(run):
     stage, results = run
     passes = 2 if stage == 3 else 1  # stage 3 gathers again for backward
-    linear_groups, fp32_groups = N_LAYER + 1, N_LAYER + 2  # + head / + wte,wpe and ln_f
-    gather_low = "bfloat16" if stage == 3 else "float32"
     for r in results:
         got = Counter(r["calls"])
-        want = Counter({("allgather_base", gather_low): passes * linear_groups,
-                        ("reduce_scatter_base", "bfloat16"): linear_groups,
-                        ("reduce_scatter_base", "float32"): fp32_groups})
-        want[("allgather_base", "float32")] += passes * fp32_groups
-        assert got == want, (stage, got)
-        assert len(r["calls"]) == (passes + 1) * (linear_groups + fp32_groups)
         # one unit per Linear before: 4 per block + the head
         assert len(r["per_linear_calls"]) == (passes + 1) * (5 * N_LAYER + 3)
-        # the model in one bucket: at stage 3 the blocks' Linears, their LayerNorms, wte+wpe,
-        # ln_f, head; below it all Linears and the root, one group per dtype (DeepSpeed's buckets)
-        assert len(r["whole_calls"]) == (passes + 1) * (5 if stage == 3 else 2)
+        if stage == 3:
+            linear_groups, fp32_groups = N_LAYER + 1, N_LAYER + 2  # + head / + wte,wpe and ln_f
+            want = Counter({("allgather_base", "bfloat16"): passes * linear_groups,
+                            ("reduce_scatter_base", "bfloat16"): linear_groups,
+                            ("allgather_base", "float32"): passes * fp32_groups,
+                            ("reduce_scatter_base", "float32"): fp32_groups})
+            assert got == want, (stage, got)
+            # the model in one bucket: the blocks' Linears, their LayerNorms, wte+wpe, ln_f, head
+            assert len(r["whole_calls"]) == (passes + 1) * 5
+            continue
+        # Below stage 3: one group per block (its Linears' gradients in bf16, the rest in fp32),
+        # wte+wpe (fp32) and ln_f+head (both): one all-gather each, one reduce-scatter per wire dtype.
+        want = Counter({("allgather_base", "float32"): N_LAYER + 2,
+                        ("reduce_scatter_base", "bfloat16"): N_LAYER + 1,
+                        ("reduce_scatter_base", "float32"): N_LAYER + 2})
+        assert got == want, (stage, got)
+        # the model in one bucket: the root alone, one all-gather and a reduce-scatter per dtype
+        assert Counter(r["whole_calls"]) == Counter({("allgather_base", "float32"): 1,
+                                                     ("reduce_scatter_base", "bfloat16"): 1,
+                                                     ("reduce_scatter_base", "float32"): 1})
 
 
 @pytest.mark.slow  # the run fixture: 3 spawns of 2 ranks, about 40 s in all
@@ -368,41 +396,140 @@ def test_stage3_prefetch_skips_groups_that_stay_gathered():
     assert r["bwd"] == {a: [b] for a, b in zip(back, back[1:])} | {"wte": []} | persistent
 
 
-def _stage2_wire_cast_body(rank, world_size):
+def _stage2_layouts_body(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from lightning_ampzero.config import PrecisionConfig, ZeroConfig
+    from lightning_ampzero.config import ZeroConfig
     from lightning_ampzero.precision.plugin import AmpZeroPrecision
-    from lightning_ampzero.precision.policy import dtype_plan, fsdp_policies
     from lightning_ampzero.zero.apply import apply_zero
 
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
-    for cast in (False, True):
+    for layout in ("fsdp2", "one_group"):
         model = _gpt()
-        root, per_module = fsdp_policies(dtype_plan("bf16-mixed", PrecisionConfig()), model, 2, cast_on_wire=cast)
+        root, per_module = _policies(model, 2)
+        if layout == "fsdp2":  # what stage 2 does off gloo: the Linears a group of their own, FSDP2's bf16 reduce
+            per_module = {m: MixedPrecisionPolicy(reduce_dtype=torch.bfloat16, cast_forward_inputs=True)
+                          for m in per_module}
         apply_zero(model, mesh, ZeroConfig(stage=2, param_persistence_threshold=0), root, module_policies=per_module)
         losses, calls = _train(model, rank)
-        out[cast] = {"groups": _groups(model), "losses": losses, "params": _full(model),
-                     "fsdp_reduce": sorted({str(p.reduce_dtype) for p in per_module.values()}),
-                     "calls": sorted(Counter(calls).items())}
-    # what the strategy asks for on this gloo group
+        out[layout] = {"groups": _groups(model, root=True), "losses": losses, "params": _full(model),
+                       "calls": Counter(calls)}
+    # what the strategy asks for
     _, chosen = AmpZeroPrecision("bf16-mixed").fsdp_policies(_gpt(), 2)
     out["plugin_comm_dtypes"] = sorted({str(getattr(p, "comm_dtype", None)) for p in chosen.values()})
     return out
 
 
-def test_stage2_on_gloo_packs_in_fp32_and_casts_for_the_wire_with_the_same_bits():
-    # FSDP2's own bf16 packing (torch._chunk_cat into a bf16 buffer) costs 3x a copy and a cast
-    # on CPU; on gloo stage 2 packs in fp32 and LowPrecisionReduceScatter casts. With 2 ranks the
-    # division by the world size is exact, so rounding before or after it gives the same bits.
-    results = spawn(_stage2_wire_cast_body, world_size=2, timeout=240)
+def test_stage2_on_gloo_keeps_the_linears_in_the_model_group_with_the_bits_of_fsdp2s_bf16_groups():
+    # Off gloo stage 2 gives the Linears a group of their own that FSDP2 reduce-scatters in bf16.
+    # On gloo they stay in the model's group and MixedWireReduceScatter sends their part in bf16:
+    # one group and its hooks less, the same arithmetic per element. With 2 ranks the division by
+    # the world size is exact, so rounding before or after it gives the same bits.
+    results = spawn(_stage2_layouts_body, world_size=2, timeout=240)
     for r in results:
-        fsdp2_path, wire_cast = r[False], r[True]
-        assert fsdp2_path["groups"] == wire_cast["groups"]  # same groups, bf16 on the wire for the Linears
-        assert fsdp2_path["fsdp_reduce"] == ["torch.bfloat16"] and wire_cast["fsdp_reduce"] == ["None"]
-        assert fsdp2_path["calls"] == wire_cast["calls"]
-        assert fsdp2_path["losses"] == wire_cast["losses"]
-        for name, p in fsdp2_path["params"].items():
-            assert torch.equal(p, wire_cast["params"][name]), name
+        fsdp2, one = r["fsdp2"], r["one_group"]
+        assert fsdp2["losses"] == one["losses"]
+        for name, p in fsdp2["params"].items():
+            assert torch.equal(p, one["params"][name]), name
+        assert one["groups"] == [(("",), ("None", "bfloat16+float32"))]
+        assert len(fsdp2["groups"]) == 2  # the Linears' bf16 group and the root
+        assert sum(one["calls"].values()) == 3 and sum(fsdp2["calls"].values()) == 4
         assert r["plugin_comm_dtypes"] == ["torch.bfloat16"]
+
+
+class _StubMesh:
+    ndim = 1
+
+    def get_group(self):
+        return None
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_mesh_decides_how_the_safe_modules_gradients_travel(monkeypatch, backend, stage):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from lightning_ampzero.config import ZeroConfig
+    from lightning_ampzero.zero import apply
+    from lightning_ampzero.zero.comm import CommDtypePolicy
+
+    monkeypatch.setattr(apply.dist, "get_backend", lambda group=None: backend)
+    model = _gpt()
+    root, per_module = _policies(model, stage)
+    before = dict(per_module)
+    wire = apply._wire_dtypes(_StubMesh(), ZeroConfig(stage=stage), root, per_module)
+    if stage == 3:  # a bf16 group of their own (they gather in bf16)
+        assert wire == {} and per_module == before
+    elif backend == "gloo":  # in their unit's group, sent in bf16
+        assert set(wire) == set(before) and set(wire.values()) == {torch.bfloat16} and per_module == {}
+    elif stage == 1:  # a group of their own, accumulated in fp32, cast for the wire (LowPrecisionReduceScatter)
+        assert wire == {} and per_module == before
+        assert {type(p) for p in per_module.values()} == {CommDtypePolicy}
+    else:  # FSDP2's own bf16 reduce-scatter
+        assert wire == {}
+        assert set(per_module.values()) == {MixedPrecisionPolicy(reduce_dtype=torch.bfloat16, cast_forward_inputs=True)}
+
+
+class _Branchy(torch.nn.Module):
+    """Linears (safe) and LayerNorms (fp32) in one unit; one Linear used on odd steps only, one frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.ln = torch.nn.LayerNorm(32)
+        self.sometimes = torch.nn.Linear(32, 32)
+        self.frozen = torch.nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.b = torch.nn.Linear(32, 8)
+
+    def forward(self, x, odd):
+        h = self.ln(self.a(x))
+        if odd:
+            h = h + self.sometimes(h)
+        return self.b(torch.relu(self.frozen(h)))
+
+
+def _branchy_body(rank, world_size, stage):
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_ampzero.config import PrecisionConfig, ZeroConfig
+    from lightning_ampzero.precision.policy import dtype_plan, fsdp_policies
+    from lightning_ampzero.zero import apply
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for layout in ("two_groups", "one_group"):
+        torch.manual_seed(0)
+        model = _Branchy()
+        root, per_module = fsdp_policies(dtype_plan("bf16-mixed", PrecisionConfig()), model, stage)
+        wire = apply._wire_dtypes if layout == "one_group" else (lambda *a, **k: {})
+        with mock.patch.object(apply, "_wire_dtypes", wire):
+            apply.apply_zero(model, mesh, ZeroConfig(stage=stage), root, module_policies=per_module)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for step in range(4):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x, step % 2 == 1).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[layout] = {"losses": losses, "params": _full(model), "groups": _groups(model, root=True)}
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_group_two_wire_dtypes_with_unused_and_frozen_parameters(stage):
+    # Steps without the branch pack fewer gradients (FSDP2 packs only those that exist), and the
+    # frozen Linear never has one: the layout MixedWireReduceScatter reads must follow.
+    for r in spawn(_branchy_body, world_size=2, args=(stage,), timeout=180):
+        assert r["one_group"]["groups"] == [(("",), ("None", "bfloat16+float32"))]
+        assert len(r["two_groups"]["groups"]) == 2
+        assert r["one_group"]["losses"] == r["two_groups"]["losses"]
+        for name, p in r["two_groups"]["params"].items():
+            assert torch.equal(p, r["one_group"]["params"][name]), name

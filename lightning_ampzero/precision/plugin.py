@@ -183,12 +183,10 @@ class AmpZeroPrecision(Precision):
         modules get the low-dtype policy, reducing in the low dtype and, under stage 3,
         all-gathering in it. FSDP2 takes one policy per ``fully_shard`` call, so apply_zero shards
         the safe modules of each unit together as one group inside it ([Note: low-precision groups]).
-        On a gloo process group stage 2 casts for the wire itself (see ``policy.fsdp_policies``).
+        How the safe modules' low-dtype gradients travel below stage 3 depends on the mesh and is
+        decided by ``apply_zero``.
         """
-        import torch.distributed as dist
-
-        gloo = dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
-        return fsdp_policies(self.plan, module, stage, cast_on_wire=gloo)
+        return fsdp_policies(self.plan, module, stage)
 
     def setup_ddp(self, ddp: nn.Module) -> None:
         """Stage 0: "-true" compute copies of the fp32 parameters; gradient reduction dtypes."""

@@ -103,23 +103,17 @@ def safe_modules(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[s
     return [(n, m) for n, m in chosen if not any(id(p) in outside_params for p in m.parameters())]
 
 
-def fsdp_policies(plan: DtypePlan, model: nn.Module, stage: int, *,
-                  cast_on_wire: bool = False) -> tuple[object, dict[nn.Module, object]]:
-    """FSDP2 policies: the one of every unit, and those of modules that must be units of their own.
+def fsdp_policies(plan: DtypePlan, model: nn.Module, stage: int) -> tuple[object, dict[nn.Module, object]]:
+    """FSDP2 policies: the one of every unit, and those of the modules whose gradients reduce apart.
 
     "-true": every unit gathers parameters in the low dtype and reduces in ``reduce_dtype``.
-    "-mixed": parameters stay fp32 (autocast casts per op); the safe modules get a policy of their
-    own (apply_zero shards those of a unit as one group) that reduces in the low dtype and, under
-    stage 3, all-gathers in it (autocast would cast their weights to it anyway, so the forward is
-    unchanged; the gather moves half the bytes). At stage 1 they accumulate in fp32 between
-    micro-batches and only the reduce-scatter sends the low dtype (zero/comm.py).
-
-    ``cast_on_wire`` (the strategy sets it on gloo): stage 2 takes stage 1's path too. FSDP2's
-    own low-dtype reduce-scatter packs the fp32 gradients into a bf16 buffer with
-    ``torch._chunk_cat(..., out=bf16)``, which on CPU costs 3x a copy and a cast (5.9 against
-    1.8 ms for 4.7M elements, one thread); packing in fp32 and casting once is cheaper there,
-    for a transient fp32 buffer where FSDP2's was low. On CUDA the packing is not the cost and
-    the buffer is, so stage 2 keeps FSDP2's path.
+    "-mixed": parameters stay fp32 (autocast casts per op); the safe modules reduce in the low
+    dtype. Under stage 3 they get a policy (and group) of their own that also all-gathers in it
+    (autocast would cast their weights to it anyway, so the forward is unchanged; the gather
+    moves half the bytes). Below stage 3 they get a :class:`~lightning_ampzero.zero.comm.CommDtypePolicy`:
+    gradients kept and accumulated in fp32, sent in the low dtype. How that is sent (in the unit's
+    own group on gloo, in a group of their own elsewhere) depends on the mesh and is decided by
+    ``apply_zero`` (``_wire_dtypes``).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -132,7 +126,7 @@ def fsdp_policies(plan: DtypePlan, model: nn.Module, stage: int, *,
 
     # Inputs of a safe module (a Linear) are cast to its gathered dtype: what autocast does to
     # them anyway, and no dtype mismatch if it is called outside autocast.
-    if (stage == 1 or (stage == 2 and cast_on_wire)) and HAS_CUSTOM_REDUCE_SCATTER:
+    if stage < 3 and HAS_CUSTOM_REDUCE_SCATTER:
         # Accumulate in fp32 between micro-batches, send in the low dtype: see
         # [Note: stage 1 accumulation dtype] in zero/comm.py.
         safe: MixedPrecisionPolicy = CommDtypePolicy(cast_forward_inputs=True, comm_dtype=plan.safe_reduce_dtype)

@@ -20,12 +20,20 @@ import functools
 from contextlib import contextmanager
 from typing import Iterator, Mapping, Optional
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_ampzero.config import ZeroConfig
-from lightning_ampzero.zero.comm import LowPrecisionReduceScatter, install_gloo_comms
+from lightning_ampzero.zero.comm import (
+    HAS_CUSTOM_REDUCE_SCATTER,
+    CommDtypePolicy,
+    LowPrecisionReduceScatter,
+    install_gloo_comms,
+    install_mixed_wire,
+)
 from lightning_ampzero.zero.buffers import buffer_broadcast_of, install_buffer_broadcast
 from lightning_ampzero.zero.units import Unit, plan_units, region
 
@@ -78,7 +86,8 @@ def _policy_groups(
     bf16-mixed GPT (benchmarks/results/bf16_mixed_units/): one FSDP2 unit per Linear took 41 / 61
     / 121 collectives per step at stages 1 / 2 / 3 and 1.3-1.7x DeepSpeed's step time; grouped,
     11 / 16 / 31 and 0.92-1.12x, with identical losses (a model that fits one bucket has since become
-    one unit below stage 3: [Note: units below stage 3] in units.py). A module inside another of the same group
+    one unit below stage 3: [Note: units below stage 3] in units.py; and below stage 3 on gloo the
+    safe modules no longer need a group at all: [Note: one group, two wire dtypes] in comm.py). A module inside another of the same group
     is covered by it; groups nested in one another are sharded innermost first (bottom-up, as
     every FSDP2 unit). ``stop``: ids of the modules of units sharded before this one (inside it):
     their modules belong to them (:func:`lightning_ampzero.zero.units.region`).
@@ -171,6 +180,7 @@ def apply_zero(
     offload_policy = offload_policy or OffloadPolicy()  # the base class means "no offload"
     units = plan_units(model, cfg.wrap_modules, cfg.unit_size, cfg.stage)  # [Note: units below stage 3]
     module_policies = dict(module_policies or {})
+    wire = _wire_dtypes(mesh, cfg, mp_policy, module_policies)
     names = {id(m): n for n, m in model.named_modules()}
 
     # Every fully_shard call is one FSDP2 group, planned first (in the order they are sharded:
@@ -209,6 +219,10 @@ def apply_zero(
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)
     if mesh.ndim == 1:
         install_gloo_comms(model, mesh.get_group())
+    if wire:  # [Note: one group, two wire dtypes] in comm.py: after sharding, the parameters are the DTensors
+        low = {id(p): dtype for m, dtype in wire.items() for p in m.parameters()}
+        for target in [g.modules[0] for g in groups] + [model]:
+            install_mixed_wire(target, low)
     # [Note: buffer broadcast] in zero/buffers.py: running statistics as DDP keeps them.
     # Every rank of the mesh holds a replica of the buffers (FSDP2 shards parameters only).
     install_buffer_broadcast(model, mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())
@@ -238,6 +252,41 @@ def apply_zero(
     units.sort(key=lambda u: order[id(u.modules[0])])
     root_numel = sum(p.numel() for p in model.parameters()) - sum(u.numel for u in units)
     return units + [Unit([model], [""], root_numel)]
+
+
+def _wire_dtypes(mesh: DeviceMesh, cfg: ZeroConfig, mp_policy: MixedPrecisionPolicy,
+                 module_policies: dict[nn.Module, MixedPrecisionPolicy]) -> dict[nn.Module, torch.dtype]:
+    """Decide, from the mesh, how the modules of a :class:`CommDtypePolicy` reduce; edits ``module_policies``.
+
+    The precision plugin asks, below stage 3, that the ``lower_precision_safe_modules`` accumulate
+    their gradients in fp32 and send them in the low dtype (CommDtypePolicy). How is a sharding
+    matter, decided here where the mesh is known:
+
+    * a 1-D gloo mesh: the modules stay in their unit's group and a MixedWireReduceScatter sends
+      their part of its gradients in the low dtype ([Note: one group, two wire dtypes] in comm.py);
+      returned as ``{module: wire dtype}`` and removed from ``module_policies``;
+    * stage 1 elsewhere: a group of their own with LowPrecisionReduceScatter ([Note: stage 1
+      accumulation dtype] in comm.py);
+    * stage 2 elsewhere: a group of their own reduce-scattered in the low dtype by FSDP2 itself
+      (stage 2 accumulates the fp32 shards, so only the wire is low; on CUDA FSDP2's packing
+      into a low-dtype buffer is cheap and halves the transient buffer).
+    """
+    wire: dict[nn.Module, torch.dtype] = {}
+    if cfg.stage == 3 or not HAS_CUSTOM_REDUCE_SCATTER:
+        return wire
+    gloo = mesh.ndim == 1 and dist.get_backend(mesh.get_group()) == "gloo"
+    for module, policy in list(module_policies.items()):
+        if not isinstance(policy, CommDtypePolicy) or policy.comm_dtype is None:
+            continue
+        same_compute = (policy.param_dtype, policy.reduce_dtype) == (mp_policy.param_dtype, mp_policy.reduce_dtype)
+        if gloo and same_compute:
+            wire[module] = policy.comm_dtype
+            del module_policies[module]
+        elif cfg.stage == 2:
+            module_policies[module] = MixedPrecisionPolicy(
+                param_dtype=policy.param_dtype, reduce_dtype=policy.comm_dtype, output_dtype=policy.output_dtype,
+                cast_forward_inputs=policy.cast_forward_inputs)
+    return wire
 
 
 def _post_order(module: nn.Module, seen: Optional[set[int]] = None) -> Iterator[nn.Module]:

@@ -9,11 +9,11 @@ fp32 and only communicates in the low dtype. Stage 1 therefore gives those group
 ``reduce_dtype=None`` (fp32: accumulation and FSDP2's buffers), plus :class:`LowPrecisionReduceScatter`
 as the group's reduce-scatter, which casts to the low dtype for the wire only. Stages 2 and 3
 reduce every micro-batch and accumulate the fp32 shards, so they keep FSDP2's own low-dtype
-reduce-scatter, except stage 2 on gloo: there FSDP2's packing of fp32 gradients into a bf16
-buffer (``torch._chunk_cat(..., out=bf16)``) costs 3x packing in fp32 and casting once, so it
-takes this path too (``precision.policy.fsdp_policies(cast_on_wire=True)``; same bits with 2
-ranks, tests/test_zero_lowp_units.py). Stage 3 gathers those modules in the low dtype, so their
-gradients are low already and FSDP2 packs without a cast.
+reduce-scatter (off gloo; on gloo stages 1 and 2 keep those modules in their unit's group and
+cast for the wire there: [Note: one group, two wire dtypes]; FSDP2's packing of fp32 gradients
+into a bf16 buffer, ``torch._chunk_cat(..., out=bf16)``, also costs 3x packing in fp32 and
+casting once on CPU). Stage 3 gathers those modules in the low dtype, so their gradients are
+low already and FSDP2 packs without a cast.
 
 [Note: gloo collectives by a ring]
 Gloo's all-reduce is a tuned ring; its reduce-scatter is an all-reduce of the whole input (twice
@@ -209,6 +209,117 @@ class GlooAllGather(_PlainAlloc, _AGBase):
         with torch.profiler.record_function(f"{AG_LABEL}#{output_tensor.dtype}#{world}"):
             _ring_all_gather_(output_tensor.view(-1), input_tensor.view(-1), group)
         return None  # done: FSDP2 waits on nothing
+
+
+class MixedWireReduceScatter(_PlainAlloc, _RSBase):
+    """Reduce-scatter of one FSDP2 group (fp32 gradients) that sends some parameters' gradients in ``dtype``.
+
+    [Note: one group, two wire dtypes]
+    Under "-mixed" the ``lower_precision_safe_modules`` reduce in bf16/fp16 and everything else
+    in fp32. FSDP2 takes one reduce dtype per group, so below stage 3 those modules used to be a
+    group of their own inside each unit ([Note: low-precision groups] in apply.py): per unit
+    two all-gathers, two reduce-scatters and FSDP2's forward hooks on every safe module. On a
+    gloo mesh below stage 3 they now stay in their unit's group, which packs every gradient in
+    fp32 as usual; this reduce-scatter splits the packed input by parameter into a low-dtype
+    buffer (divided by the world size, then cast, as :class:`LowPrecisionReduceScatter`) and
+    an fp32 one (summed, then divided, as the fp32 group's :class:`GlooReduceScatter`), reduces
+    each (a ring above the thresholds), and writes both back into FSDP2's fp32 output. Each
+    element goes through the same operations as in the two-group layout, so the bits are the
+    same; the step loses a group's hooks and collectives (benchmarks/README.md, issue 16).
+    At stage 3 the safe modules also gather in the low dtype, which needs a group of its own.
+
+    FSDP2 packs only the parameters that have a gradient this backward, in group order, one
+    ``padded sharded numel`` per parameter and rank; the wrapped ``post_backward`` of the group
+    records which (the tests FSDP2 makes there), and the layout is checked against the input's size.
+    """
+
+    def __init__(self, param_group: Any, low: set[int], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._low = low  # id(sharded parameter) of the parameters sent in ``dtype``
+        self._group = param_group
+        self._with_grad: list[Any] = []
+        original = param_group.post_backward
+
+        def post_backward(*args: Any) -> Any:
+            if param_group.reduce_grads:
+                unused = getattr(param_group, "reduce_scatter_unused_params", False)
+                self._with_grad = [
+                    fp for fp in param_group.fsdp_params if hasattr(fp, "_unsharded_param") and (
+                        fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+                        or (unused and fp.unsharded_param.requires_grad))]
+            return original(*args)
+
+        param_group.post_backward = post_backward
+
+    def _runs(self, numel: int, world: int) -> list[tuple[int, int, bool]]:
+        """(start, stop, low) column ranges of the input viewed as (world, numel // world), merged by dtype."""
+        runs: list[tuple[int, int, bool]] = []
+        start = 0
+        for fp in self._with_grad:
+            stop = start + fp.padded_sharded_param_size.numel()
+            low = id(fp.sharded_param) in self._low
+            if runs and runs[-1][2] == low:
+                runs[-1] = (runs[-1][0], stop, low)
+            else:
+                runs.append((start, stop, low))
+            start = stop
+        if start * world != numel:
+            raise RuntimeError(
+                f"lightning_ampzero: the reduce-scatter input of FSDP2 group {self._group._module_fqn!r} has {numel}"
+                f" elements, but its parameters with a gradient pack {start * world}: this torch version packs"
+                " gradients differently from what zero/comm.py MixedWireReduceScatter expects. Set"
+                " precision.communication_data_type='fp32' (or lower_precision_safe_modules=[]) to avoid this path,"
+                " and report it."
+            )
+        return runs
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> Optional[dist.Work]:
+        world = dist.get_world_size(group)
+        if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            raise NotImplementedError(
+                f"MixedWireReduceScatter handles the AVG and SUM reductions FSDP2 uses by default, got {op}: leave"
+                " the gradient divide factor at its default."
+            )
+        runs = self._runs(input_tensor.numel(), world)
+        if all(not low for _, _, low in runs):
+            return GlooReduceScatter()(output_tensor, input_tensor, group, op)
+        if all(low for _, _, low in runs):
+            return LowPrecisionReduceScatter(self.dtype)(output_tensor, input_tensor, group, op)
+        packed = input_tensor.view(world, -1)
+        sizes = {flag: sum(b - a for a, b, low in runs if low is flag) for flag in (True, False)}
+        send = {True: torch.empty(world, sizes[True], dtype=self.dtype, device=input_tensor.device),
+                False: torch.empty(world, sizes[False], dtype=input_tensor.dtype, device=input_tensor.device)}
+        at = {True: 0, False: 0}
+        for a, b, low in runs:
+            if low and op == dist.ReduceOp.AVG:
+                packed[:, a:b].div_(world)  # in fp32, before rounding (LowPrecisionReduceScatter)
+            send[low][:, at[low]:at[low] + b - a].copy_(packed[:, a:b])
+            at[low] += b - a
+        received = {flag: torch.empty(sizes[flag], dtype=send[flag].dtype, device=input_tensor.device)
+                    for flag in (True, False)}
+        GlooReduceScatter(native_off_gloo=True)(received[True], send[True].view(-1), group, dist.ReduceOp.SUM)
+        GlooReduceScatter(native_off_gloo=True)(received[False], send[False].view(-1), group, op)
+        at = {True: 0, False: 0}
+        for a, b, low in runs:
+            output_tensor[a:b].copy_(received[low][at[low]:at[low] + b - a])
+            at[low] += b - a
+        return None  # done: FSDP2 waits on nothing
+
+
+def install_mixed_wire(fsdp_module: Any, low: "dict[int, torch.dtype]") -> bool:
+    """Give an FSDP2 group holding parameters of ``low`` (id -> wire dtype) a :class:`MixedWireReduceScatter`."""
+    group = fsdp_module._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return False
+    ids = {id(fp.sharded_param) for fp in group.fsdp_params} & set(low)
+    if not ids:
+        return False
+    dtypes = {low[i] for i in ids}
+    if len(dtypes) != 1:
+        raise ValueError(f"one FSDP2 group can send its gradients in one low dtype, got {sorted(map(str, dtypes))}.")
+    fsdp_module.set_custom_reduce_scatter(MixedWireReduceScatter(group, ids, dtypes.pop()))
+    return True
 
 
 def install_gloo_comms(fsdp_module: Any, group: dist.ProcessGroup, *, reduce_scatter: bool = True) -> bool:

@@ -151,9 +151,9 @@ def plan_units(root: nn.Module, wrap_modules: tuple[str, ...], unit_size: int, s
     gathered, so units decide nothing about parameter memory, only how gradients are bucketed
     for the reduce-scatter: a unit's unsharded gradients live until its reduction. A model that
     fits one bucket (``unit_size`` elements) is therefore reduced as one, as DeepSpeed reduces
-    it in one bucket: the root holds every module, and with the precision's low-precision groups
-    (zero/apply.py) a step costs one group per dtype instead of two per unit plus the
-    leftovers'. A larger model keeps the units of stage 3: per-block units, and units of their
+    it in one bucket: the root holds every module, and a step costs one group (two with the
+    precision's low-precision groups off gloo, zero/apply.py) instead of one or two per unit
+    plus the leftovers'. A larger model keeps the units of stage 3: per-block units, and units of their
     own for the leftovers (:func:`leftover_modules`), whose gradients would otherwise wait in
     the root through the whole backward (an output head and embeddings are often the largest).
 
