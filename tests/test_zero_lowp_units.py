@@ -121,7 +121,7 @@ def _wire(state):
     pol = state._mp_policy
     custom = state._fsdp_param_group._reduce_scatter_comm if state._fsdp_param_group is not None else None
     if isinstance(custom, MixedWireReduceScatter):
-        low = {id(fp.sharded_param) in custom._low for fp in state._fsdp_param_group.fsdp_params}
+        low = {id(fp._module_info.module) in custom._low for fp in state._fsdp_param_group.fsdp_params}
         return "+".join(sorted({"float32" if not f else str(custom.dtype).removeprefix("torch.") for f in low}))
     return str(getattr(pol, "comm_dtype", None) or pol.reduce_dtype)
 
@@ -509,18 +509,24 @@ def _branchy_body(rank, world_size, stage):
         wire = apply._wire_dtypes if layout == "one_group" else (lambda *a, **k: {})
         with mock.patch.object(apply, "_wire_dtypes", wire):
             apply.apply_zero(model, mesh, ZeroConfig(stage=stage), root, module_policies=per_module)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        losses = []
-        for step in range(4):
-            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x, step % 2 == 1).float().pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _train_small(model, rank, 16, 4, lambda x, step: model(x, step % 2 == 1))
         out[layout] = {"losses": losses, "params": _full(model), "groups": _groups(model, root=True)}
     return out
+
+
+def _train_small(model, rank, features, steps, forward):
+    """``steps`` AdamW steps of a bf16-autocast squared-output loss on this rank's inputs; the losses."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(4, features, generator=torch.Generator().manual_seed(10 * step + rank))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = forward(x, step).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -533,3 +539,36 @@ def test_one_group_two_wire_dtypes_with_unused_and_frozen_parameters(stage):
         assert r["one_group"]["losses"] == r["two_groups"]["losses"]
         for name, p in r["two_groups"]["params"].items():
             assert torch.equal(p, r["one_group"]["params"][name]), name
+
+
+def _reload_body(rank, world_size):
+    """Parameters replaced by ``load_state_dict(assign=True)`` keep their wire dtype (decided by module)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_ampzero.config import PrecisionConfig, ZeroConfig
+    from lightning_ampzero.precision.policy import dtype_plan, fsdp_policies
+    from lightning_ampzero.zero.apply import apply_zero
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for reload in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+        root, per_module = fsdp_policies(dtype_plan("bf16-mixed", PrecisionConfig()), model, 2)
+        apply_zero(model, mesh, ZeroConfig(stage=2), root, module_policies=per_module)
+        before = [id(p) for p in model.parameters()]
+        if reload:
+            model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+            out["replaced"] = sum(id(p) != b for p, b in zip(model.parameters(), before))
+        losses = _train_small(model, rank, 8, 3, lambda x, step: model(x))
+        out[reload] = {"losses": losses, "params": _full(model), "groups": _groups(model, root=True)}
+    return out
+
+
+def test_wire_dtypes_survive_parameters_replaced_by_load_state_dict_assign():
+    for r in spawn(_reload_body, world_size=2, timeout=120):
+        assert r["replaced"] == 6  # FSDP2 made new parameter objects
+        assert r[True]["groups"] == r[False]["groups"] == [(("",), ("None", "bfloat16+float32"))]
+        assert r[True]["losses"] == r[False]["losses"]
+        for name, p in r[False]["params"].items():
+            assert torch.equal(p, r[True]["params"][name]), name

@@ -177,14 +177,13 @@ class AmpZeroPrecision(Precision):
         return fsdp_policies(self.plan, nn.Module(), 3)[0]
 
     def fsdp_policies(self, module: nn.Module, stage: int) -> tuple[Any, dict[nn.Module, Any]]:
-        """Stages 1-3: the policy of every unit, and modules that need a unit (and policy) of their own.
+        """Stages 1-3: the policy of every unit, and the modules whose gradients reduce apart.
 
         "-mixed" with no ``communication_data_type``: the ``lower_precision_safe_modules``
-        modules get the low-dtype policy, reducing in the low dtype and, under stage 3,
-        all-gathering in it. FSDP2 takes one policy per ``fully_shard`` call, so apply_zero shards
-        the safe modules of each unit together as one group inside it ([Note: low-precision groups]).
-        How the safe modules' low-dtype gradients travel below stage 3 depends on the mesh and is
-        decided by ``apply_zero``.
+        modules get a low-dtype policy, reducing in the low dtype and, under stage 3,
+        all-gathering in it (there apply_zero shards the safe modules of each unit together as one
+        group inside it: [Note: low-precision groups]). Below stage 3 how their low-dtype gradients
+        travel depends on the mesh and is decided by ``apply_zero`` (``_wire_dtypes``).
         """
         return fsdp_policies(self.plan, module, stage)
 

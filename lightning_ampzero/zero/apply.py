@@ -219,10 +219,9 @@ def apply_zero(
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)
     if mesh.ndim == 1:
         install_gloo_comms(model, mesh.get_group())
-    if wire:  # [Note: one group, two wire dtypes] in comm.py: after sharding, the parameters are the DTensors
-        low = {id(p): dtype for m, dtype in wire.items() for p in m.parameters()}
+    if wire:  # [Note: one group, two wire dtypes] in comm.py
         for target in [g.modules[0] for g in groups] + [model]:
-            install_mixed_wire(target, low)
+            install_mixed_wire(target, wire)
     # [Note: buffer broadcast] in zero/buffers.py: running statistics as DDP keeps them.
     # Every rank of the mesh holds a replica of the buffers (FSDP2 shards parameters only).
     install_buffer_broadcast(model, mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())

@@ -38,6 +38,7 @@ from gloo's, as between any two all-reduce algorithms. The all-gather only moves
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -60,9 +61,11 @@ _AGBase: Any = _AllGather if _AllGather is not None else object
 class CommDtypePolicy(MixedPrecisionPolicy):
     """A MixedPrecisionPolicy whose group communicates its gradients in ``comm_dtype``.
 
-    ``reduce_dtype`` stays what FSDP2 accumulates and reduce-scatters into (None: fp32);
-    :func:`lightning_ampzero.zero.apply.apply_zero` installs a :class:`LowPrecisionReduceScatter`
-    on each group sharded with this policy.
+    ``reduce_dtype`` stays what FSDP2 accumulates and reduce-scatters into (None: fp32). How the
+    low dtype is sent depends on the mesh (:func:`lightning_ampzero.zero.apply._wire_dtypes`): on
+    gloo the modules stay in their unit's group and its :class:`MixedWireReduceScatter` sends their
+    part in ``comm_dtype``; elsewhere at stage 1 they are a group of their own with a
+    :class:`LowPrecisionReduceScatter`, at stage 2 a group FSDP2 reduce-scatters in ``comm_dtype``.
     """
 
     comm_dtype: Optional[torch.dtype] = None
@@ -212,7 +215,7 @@ class GlooAllGather(_PlainAlloc, _AGBase):
 
 
 class MixedWireReduceScatter(_PlainAlloc, _RSBase):
-    """Reduce-scatter of one FSDP2 group (fp32 gradients) that sends some parameters' gradients in ``dtype``.
+    """Reduce-scatter of one FSDP2 group (fp32 gradients) that sends some modules' gradients in ``dtype``.
 
     [Note: one group, two wire dtypes]
     Under "-mixed" the ``lower_precision_safe_modules`` reduce in bf16/fp16 and everything else
@@ -228,48 +231,59 @@ class MixedWireReduceScatter(_PlainAlloc, _RSBase):
     same; the step loses a group's hooks and collectives (benchmarks/README.md, issue 16).
     At stage 3 the safe modules also gather in the low dtype, which needs a group of its own.
 
-    FSDP2 packs only the parameters that have a gradient this backward, in group order, one
-    ``padded sharded numel`` per parameter and rank; the wrapped ``post_backward`` of the group
-    records which (the tests FSDP2 makes there), and the layout is checked against the input's size.
+    Which parameters FSDP2 packed, in which order: those with a gradient this backward, in group
+    order, one padded shard per parameter and rank. FSDP2 passes that list to its reduction
+    (``foreach_reduce(fsdp_params, ...)``, the function that calls this one), so it is read from
+    there rather than guessed, and checked against the input's size; a torch that calls this
+    another way gets an error, never a wrong split. A parameter goes in ``dtype`` when the module
+    that owns it is one of ``modules`` (module objects, which loading a state dict never replaces,
+    unlike the parameters).
     """
 
-    def __init__(self, param_group: Any, low: set[int], dtype: torch.dtype) -> None:
+    def __init__(self, modules: "list[Any]", dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self._low = low  # id(sharded parameter) of the parameters sent in ``dtype``
-        self._group = param_group
-        self._with_grad: list[Any] = []
-        original = param_group.post_backward
+        self.modules = list(modules)  # held: their identity decides, so their ids must stay theirs
+        self._low = {id(m) for m in self.modules}
 
-        def post_backward(*args: Any) -> Any:
-            if param_group.reduce_grads:
-                unused = getattr(param_group, "reduce_scatter_unused_params", False)
-                self._with_grad = [
-                    fp for fp in param_group.fsdp_params if hasattr(fp, "_unsharded_param") and (
-                        fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
-                        or (unused and fp.unsharded_param.requires_grad))]
-            return original(*args)
-
-        param_group.post_backward = post_backward
+    @staticmethod
+    def _packed_params() -> list[Any]:
+        """FSDP2's ``fsdp_params`` argument of the ``foreach_reduce`` call that is calling us."""
+        frame = sys._getframe(2)
+        for _ in range(4):  # foreach_reduce is our direct caller in torch 2.13; allow a wrapper or two
+            if frame is None:
+                break
+            if frame.f_code.co_name == "foreach_reduce" and "fsdp_params" in frame.f_locals:
+                return frame.f_locals["fsdp_params"]
+            frame = frame.f_back
+        raise RuntimeError(
+            "lightning_ampzero: MixedWireReduceScatter (zero/comm.py) was called outside FSDP2's foreach_reduce,"
+            " so it cannot tell which parameters the reduce-scatter input packs; this torch version reduces"
+            " gradients differently from torch 2.13. Reduce every gradient in one dtype to avoid this path:"
+            " AmpZeroStrategy(precision={'communication_data_type': 'fp32'}) (Hydra:"
+            " strategy.precision.communication_data_type=fp32), and report it."
+        )
 
     def _runs(self, numel: int, world: int) -> list[tuple[int, int, bool]]:
         """(start, stop, low) column ranges of the input viewed as (world, numel // world), merged by dtype."""
         runs: list[tuple[int, int, bool]] = []
         start = 0
-        for fp in self._with_grad:
+        params = self._packed_params()
+        for fp in params:
             stop = start + fp.padded_sharded_param_size.numel()
-            low = id(fp.sharded_param) in self._low
+            low = id(fp._module_info.module) in self._low
             if runs and runs[-1][2] == low:
                 runs[-1] = (runs[-1][0], stop, low)
             else:
                 runs.append((start, stop, low))
             start = stop
         if start * world != numel:
+            names = ", ".join(fp._module_info.param_name for fp in params[:4])
             raise RuntimeError(
-                f"lightning_ampzero: the reduce-scatter input of FSDP2 group {self._group._module_fqn!r} has {numel}"
-                f" elements, but its parameters with a gradient pack {start * world}: this torch version packs"
-                " gradients differently from what zero/comm.py MixedWireReduceScatter expects. Set"
-                " precision.communication_data_type='fp32' (or lower_precision_safe_modules=[]) to avoid this path,"
-                " and report it."
+                f"lightning_ampzero: the reduce-scatter input has {numel} elements, but the {len(params)} parameters"
+                f" FSDP2 says it packed ({names}, ...) make {start * world}: this torch version packs gradients"
+                " differently from what zero/comm.py MixedWireReduceScatter expects. Reduce every gradient in one"
+                " dtype to avoid this path: AmpZeroStrategy(precision={'communication_data_type': 'fp32'}) (Hydra:"
+                " strategy.precision.communication_data_type=fp32), and report it."
             )
         return runs
 
@@ -307,18 +321,23 @@ class MixedWireReduceScatter(_PlainAlloc, _RSBase):
         return None  # done: FSDP2 waits on nothing
 
 
-def install_mixed_wire(fsdp_module: Any, low: "dict[int, torch.dtype]") -> bool:
-    """Give an FSDP2 group holding parameters of ``low`` (id -> wire dtype) a :class:`MixedWireReduceScatter`."""
+def install_mixed_wire(fsdp_module: Any, low: "dict[Any, torch.dtype]") -> bool:
+    """Give an FSDP2 group owning parameters of ``low``'s modules (module -> wire dtype) a :class:`MixedWireReduceScatter`.
+
+    A module's submodules count as it (the old group of its own covered every parameter under it).
+    """
+    low = {sub: dtype for m, dtype in low.items() for sub in m.modules()}
     group = fsdp_module._get_fsdp_state()._fsdp_param_group
     if group is None:
         return False
-    ids = {id(fp.sharded_param) for fp in group.fsdp_params} & set(low)
-    if not ids:
+    owners = {id(fp._module_info.module) for fp in group.fsdp_params}
+    mine = [m for m in low if id(m) in owners]
+    if not mine:
         return False
-    dtypes = {low[i] for i in ids}
+    dtypes = {low[m] for m in mine}
     if len(dtypes) != 1:
         raise ValueError(f"one FSDP2 group can send its gradients in one low dtype, got {sorted(map(str, dtypes))}.")
-    fsdp_module.set_custom_reduce_scatter(MixedWireReduceScatter(group, ids, dtypes.pop()))
+    fsdp_module.set_custom_reduce_scatter(MixedWireReduceScatter(mine, dtypes.pop()))
     return True
 
 

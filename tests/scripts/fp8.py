@@ -37,8 +37,9 @@ CONFIGS: dict[str, dict] = {
     "delayed": {"fp8": {"recipe": "delayed", "min_features": 0}},
     "tensorwise_o1": {"fp8": {"recipe": "tensorwise", "min_features": 0, "msamp": "O1"}},
     "delayed_o2": {"fp8": {"recipe": "delayed", "min_features": 0, "msamp": "O2"}},
-    # O1's low-precision gradient reduction: Fp8Linear among the "-mixed" safe modules (own FSDP2
-    # unit, weights gathered in FP8, gradients reduce-scattered in bf16).
+    # O1's low-precision gradient reduction: Fp8Linear among the "-mixed" safe modules (weights
+    # gathered in FP8, gradients reduce-scattered in bf16: at stage 3 by an FSDP2 group of their
+    # own, at stages 1-2 on gloo by their unit's group, zero/comm.py MixedWireReduceScatter).
     "tensorwise_o1_bf16_reduce": {"fp8": {"recipe": "tensorwise", "min_features": 0, "msamp": "O1"},
                                   "precision": {"lower_precision_safe_modules": ["Linear", "Fp8Linear"]}},
     "rowwise": {"fp8": {"recipe": "rowwise", "min_features": 0}},
@@ -58,9 +59,21 @@ class Probe(pl.Callback):
         dist.all_gather_object(everyone, mine)
         from torch.distributed.fsdp import FSDPModule
 
-        # FSDP2 units of their own (the "-mixed" safe modules): how they reduce gradients.
-        reduce = sorted({str(m._get_fsdp_state()._mp_policy.reduce_dtype) for m in module.modules()
-                         if isinstance(m, Fp8Linear) and isinstance(m, FSDPModule)})
+        from lightning_ampzero.zero.comm import MixedWireReduceScatter
+
+        # The wire dtype of the FP8 layers' gradients: their own groups' reduce dtype (stage 3), or
+        # that of the unit's reduce-scatter that sends them apart (stages 1-2 on gloo).
+        reduce = set()
+        for m in module.modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            group = m._get_fsdp_state()._fsdp_param_group
+            custom = group._reduce_scatter_comm if group is not None else None
+            if isinstance(custom, MixedWireReduceScatter) and any(isinstance(x, Fp8Linear) for x in custom.modules):
+                reduce.add(str(custom.dtype))
+            elif isinstance(m, Fp8Linear):
+                reduce.add(str(m._get_fsdp_state()._mp_policy.reduce_dtype))
+        reduce = sorted(reduce)
         self.info = {
             "fp8_layers": sum(isinstance(m, Fp8Linear) for m in module.modules()),
             "fp8_unit_reduce_dtypes": reduce,
