@@ -219,9 +219,10 @@ def apply_zero(
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)
     if mesh.ndim == 1:
         install_gloo_comms(model, mesh.get_group())
-    if wire:  # [Note: one group, two wire dtypes] in comm.py
+    if wire:  # [Note: one group, two wire dtypes] in comm.py; a safe module's submodules are it
+        owners = {sub: dtype for m, dtype in wire.items() for sub in m.modules()}
         for target in [g.modules[0] for g in groups] + [model]:
-            install_mixed_wire(target, wire)
+            install_mixed_wire(target, owners)
     # [Note: buffer broadcast] in zero/buffers.py: running statistics as DDP keeps them.
     # Every rank of the mesh holds a replica of the buffers (FSDP2 shards parameters only).
     install_buffer_broadcast(model, mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())

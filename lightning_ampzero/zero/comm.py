@@ -324,9 +324,9 @@ class MixedWireReduceScatter(_PlainAlloc, _RSBase):
 def install_mixed_wire(fsdp_module: Any, low: "dict[Any, torch.dtype]") -> bool:
     """Give an FSDP2 group owning parameters of ``low``'s modules (module -> wire dtype) a :class:`MixedWireReduceScatter`.
 
-    A module's submodules count as it (the old group of its own covered every parameter under it).
+    ``low`` names every module that owns such parameters directly (a safe module's submodules too:
+    its old group of its own covered every parameter under it).
     """
-    low = {sub: dtype for m, dtype in low.items() for sub in m.modules()}
     group = fsdp_module._get_fsdp_state()._fsdp_param_group
     if group is None:
         return False
