@@ -132,14 +132,16 @@ def parse_trace(path: str) -> dict:
                       and lb.get("tid") == e.get("tid") and lb["ts"] <= e["ts"] <= lb["ts"] + lb.get("dur", 0)), None)
         if label is not None and name != "c10d::allreduce_":
             # a ring of send/recv (zero/comm.py): its sends, (N-1)/N of the collective's buffer, as bytes
-            stands_for, torch_dtype, world = label["name"].split("::", 1)[1].split("#")
+            # "<collective>#<dtype>#<world>", and "#<ring number>" when each step of a ring is
+            # labelled on its own (zero/comm.py): one collective per ring number
+            stands_for, torch_dtype, world, *number = label["name"].split("::", 1)[1].split("#")
             key = _first_shape_numel(counted)
             if pool.get(key):
                 pool[key].pop(0)
             if name == "c10d::send":
                 dtype = _TORCH_DTYPES.get(torch_dtype, "?")
                 moved = n * int(world) // (int(world) - 1) // DTYPE_BYTES.get(dtype, 4)
-                _count_ring(ring, (label["ts"], label.get("tid")), stands_for, moved, dtype)
+                _count_ring(ring, tuple(number) or (label["ts"], label.get("tid")), stands_for, moved, dtype)
             continue
         if label is not None:
             stands_for, torch_dtype = label["name"].split("::", 1)[1].split("#")[:2]

@@ -207,18 +207,23 @@ def apply_zero(
     _check_one_group_per_parameter(model, [g for g, _ in plan], names)
 
     groups: list[Unit] = []
+    # [Note: reduce-scatters in flight] in comm.py: below stage 3 nothing reads a unit's reduced
+    # gradients before backward ends (stage 3's gradient offload reads them at once).
+    overlap = cfg.stage < 3
+    gloo: list[Unit] = []  # groups given the ring collectives
     for group, policy in plan:
         fully_shard(group.target, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, group.numel),
                     mp_policy=policy, offload_policy=offload_policy)
         comm_dtype = getattr(policy, "comm_dtype", None)
         if comm_dtype is not None:  # [precision] see [Note: stage 1 accumulation dtype] in comm.py
             group.modules[0].set_custom_reduce_scatter(LowPrecisionReduceScatter(comm_dtype))
-        if mesh.ndim == 1:  # [Note: gloo collectives by a ring] in comm.py (no-op off gloo)
-            install_gloo_comms(group.modules[0], mesh.get_group(), reduce_scatter=comm_dtype is None)
+        if mesh.ndim == 1 and install_gloo_comms(  # [Note: gloo collectives by a ring] in comm.py
+                group.modules[0], mesh.get_group(), reduce_scatter=comm_dtype is None, overlap=overlap):
+            gloo.append(group)
         groups.append(group)
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)
-    if mesh.ndim == 1:
-        install_gloo_comms(model, mesh.get_group())
+    if mesh.ndim == 1 and install_gloo_comms(model, mesh.get_group(), overlap=overlap) and cfg.stage < 3 and gloo:
+        _prefetch_forward_on_gloo(model, gloo)
     if wire:  # [Note: one group, two wire dtypes] in comm.py; a safe module's submodules are it
         owners = {sub: dtype for m, dtype in wire.items() for sub in m.modules()}
         for target in [g.modules[0] for g in groups] + [model]:
@@ -252,6 +257,24 @@ def apply_zero(
     units.sort(key=lambda u: order[id(u.modules[0])])
     root_numel = sum(p.numel() for p in model.parameters()) - sum(u.numel for u in units)
     return units + [Unit([model], [""], root_numel)]
+
+
+def _prefetch_forward_on_gloo(model: nn.Module, groups: list[Unit]) -> None:
+    """Below stage 3 on gloo: each group's all-gather starts as the group before it starts its forward.
+
+    Stages 1-2 gather every group once a step, in the next forward (backward frees them). On CPU
+    FSDP2 waits on an all-gather as soon as it starts it, unless it was prefetched with
+    ``async_op``; so each group prefetches the next one in forward order (the root the first one),
+    asynchronously, and the ring's bytes ([Note: gloo collectives by a ring] in comm.py) move in
+    gloo's threads during the group's forward. Memory: the next group is gathered one group earlier,
+    and stages 1-2 hold the whole model gathered through backward anyway.
+    """
+    pre = {id(m): i for i, m in enumerate(model.modules())}
+    forward = sorted(groups, key=lambda g: min(pre[id(m)] for m in g.modules))
+    for before, group in zip([model] + [g.modules[0] for g in forward], forward):
+        before.set_modules_to_forward_prefetch([group.modules[0]])
+    for group in forward:
+        group.modules[0]._set_unshard_async_op(True)
 
 
 def _wire_dtypes(mesh: DeviceMesh, cfg: ZeroConfig, mp_policy: MixedPrecisionPolicy,

@@ -38,9 +38,10 @@ from gloo's, as between any two all-reduce algorithms. The all-gather only moves
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -97,12 +98,16 @@ class LowPrecisionReduceScatter(_PlainAlloc, _RSBase):
         op: Any,
         async_op: bool = False,
     ) -> Optional[dist.Work]:
+        _launch(self.steps(output_tensor, input_tensor, group, op), later=False)
+        return None  # done: FSDP2 waits on nothing
+
+    def steps(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+              op: Any) -> "Steps":
         if op == dist.ReduceOp.AVG:
             # Divide FSDP2's fp32 reduce-scatter input in place (its own, as the ring's), then round:
             # the same bits as a division into a low-dtype ``out=``, which on CPU costs 3x as much
             # (6.2 against 0.6 + 1.2 ms for 4.7M elements, one thread).
             send = input_tensor.div_(dist.get_world_size(group)).to(self.dtype)
-            op = dist.ReduceOp.SUM
         elif op == dist.ReduceOp.SUM:  # FSDP2 divides before / after the call itself
             send = input_tensor.to(self.dtype)
         else:
@@ -112,20 +117,21 @@ class LowPrecisionReduceScatter(_PlainAlloc, _RSBase):
             )
         received = torch.empty(output_tensor.shape, dtype=self.dtype, device=output_tensor.device)
         # on gloo, above the threshold: the ring ([Note: gloo collectives by a ring])
-        GlooReduceScatter(native_off_gloo=True)(received, send, group, op)
+        yield from GlooReduceScatter(native_off_gloo=True).steps(received, send, group, dist.ReduceOp.SUM)
         output_tensor.copy_(received)
-        return None  # done: FSDP2 waits on nothing
 
 
 #: Elements of the full (unsharded) buffer from which a gloo mesh reduce-scatters, and all-gathers,
 #: by a ring of send/recv ([Note: gloo collectives by a ring]; benchmarks/results/gloo_comm.md).
 GLOO_REDUCE_SCATTER_MIN_NUMEL = 500_000
 GLOO_ALL_GATHER_MIN_NUMEL = 500_000
-#: Profiler labels around those rings: benchmarks/suite/comm.py counts the sends under them as the
-#: reduce-scatter / all-gather they stand for (the dtype it was for, after "#"; the world size after a second "#").
+#: Profiler labels around each step of those rings: benchmarks/suite/comm.py counts the sends under them as
+#: the reduce-scatter / all-gather they stand for (the dtype it was for, after "#"; the world size after a
+#: second "#"; after a third, the ring's number, the same for all its steps).
 RS_LABEL, AG_LABEL = "ampzero::reduce_scatter", "ampzero::all_gather"
 #: Tag of the rings' send/recv, apart from user point-to-point traffic (tag 0 by default).
 _RING_TAG = 0x5A31
+_ring_numbers = itertools.count()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -133,31 +139,102 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, rank: int, world: int) -> None:
-    """Send ``send`` to the next rank of the ring while receiving ``recv`` from the previous one."""
-    works = [dist.isend(_bytes(send), group=group, group_dst=(rank + 1) % world, tag=_RING_TAG),
-             dist.irecv(_bytes(recv), group=group, group_src=(rank - 1) % world, tag=_RING_TAG)]
-    for work in works:
-        work.wait()
+def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, rank: int, world: int,
+              tag: int = _RING_TAG) -> list[dist.Work]:
+    """Start sending ``send`` to the next rank of the ring and receiving ``recv`` from the previous one."""
+    return [dist.isend(_bytes(send), group=group, group_dst=(rank + 1) % world, tag=tag),
+            dist.irecv(_bytes(recv), group=group, group_src=(rank - 1) % world, tag=tag)]
 
 
-def _ring_reduce_scatter_(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+#: A collective written as a generator: each ``yield`` hands the works it must wait on before
+#: going on; the code after the last one finishes it. :func:`_run` drives one to the end at once,
+#: :func:`_launch` may leave it in flight while backward goes on ([Note: reduce-scatters in flight]).
+Steps = Iterator[list[Any]]
+
+
+def _run(steps: Steps) -> None:
+    for works in steps:
+        for work in works:
+            work.wait()
+
+
+def _ring_reduce_scatter_steps(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                               label: str = RS_LABEL) -> Steps:
     """``output`` = the sum over ranks of chunk ``rank`` of ``input`` (1-D); ``input`` is overwritten.
 
     Step s: send the partial sum of chunk (rank - s - 1), receive the previous rank's partial sum
     of chunk (rank - s - 2) into ``output`` and add it into this rank's copy of that chunk. At the
     last step that chunk is the rank's own: this rank's part is added into ``output``, which then
-    holds the whole sum.
+    holds the whole sum. Each step's sends are posted under ``label`` plus "#" and the ring's number
+    (benchmarks/suite/comm.py counts them as one collective).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = input.view(world, -1)
+    label = f"{label}#{next(_ring_numbers)}"
     for step in range(world - 1):
-        _exchange(chunks[(rank - step - 1) % world], output, group, rank, world)
+        with torch.profiler.record_function(label):
+            works = _exchange(chunks[(rank - step - 1) % world], output, group, rank, world)
+        yield works
         target = (rank - step - 2) % world
         if step < world - 2:
             chunks[target].add_(output)
         else:
             output.add_(chunks[target])
+
+
+def _ring_reduce_scatter_(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """:func:`_ring_reduce_scatter_steps`, run to the end."""
+    _run(_ring_reduce_scatter_steps(output, input, group, f"{RS_LABEL}#{input.dtype}#{dist.get_world_size(group)}"))
+
+
+def _lockstep(*parts: Steps) -> Steps:
+    """Several collectives' steps side by side: each yield waits on every part's current works."""
+    live = list(parts)
+    while live:
+        works: list[Any] = []
+        going = []
+        for part in live:
+            step = next(part, None)
+            if step is not None:
+                works.extend(step)
+                going.append(part)
+        live = going
+        if works:
+            yield works
+
+
+def _ring_all_gather_steps(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> Steps:
+    """``output`` (1-D) = every rank's ``input``, in rank order. Step s passes on chunk (rank - s)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = output.view(world, -1)
+    if input.data_ptr() != chunks[rank].data_ptr():  # FSDP2 copies in place: usually the same
+        chunks[rank].copy_(input.view(-1))
+    label = f"{AG_LABEL}#{output.dtype}#{world}#{next(_ring_numbers)}"  # as the reduce-scatter's
+    for step in range(world - 1):
+        with torch.profiler.record_function(label):
+            works = _exchange(chunks[(rank - step) % world], chunks[(rank - step - 1) % world], group, rank, world)
+        yield works
+
+
+def _ring_all_gather_(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """:func:`_ring_all_gather_steps`, run to the end."""
+    _run(_ring_all_gather_steps(output, input, group))
+
+
+def _lockstep(*parts: Steps) -> Steps:
+    """Several collectives' steps side by side: each yield waits on every part's current works."""
+    live = list(parts)
+    while live:
+        works: list[Any] = []
+        going = []
+        for part in live:
+            step = next(part, None)
+            if step is not None:
+                works.extend(step)
+                going.append(part)
+        live = going
+        if works:
+            yield works
 
 
 def _ring_all_gather_(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -167,7 +244,90 @@ def _ring_all_gather_(output: torch.Tensor, input: torch.Tensor, group: dist.Pro
     if input.data_ptr() != chunks[rank].data_ptr():  # FSDP2 copies in place: usually the same
         chunks[rank].copy_(input.view(-1))
     for step in range(world - 1):
-        _exchange(chunks[(rank - step) % world], chunks[(rank - step - 1) % world], group, rank, world)
+        _run([_exchange(chunks[(rank - step) % world], chunks[(rank - step - 1) % world], group, rank, world)])
+
+
+# [Note: reduce-scatters in flight]
+# FSDP2 calls a group's reduce-scatter from the group's post-backward hook and, on CPU (no
+# streams), expects the result on return; so every unit's backward stopped until its gradients
+# had crossed the wire, while DDP's all-reduce runs in gloo's threads as backward goes on (about
+# 9 ms of a 110 ms stage-1 step waited there, issue 16). Yet when nothing reads the output before
+# the end of backward, FSDP2 only takes views of it: with no gradient already there to add into,
+# no division or cast after the call, no post-accumulate-grad hook and no CPU offload (read from
+# the caller's ``foreach_reduce`` frame, :func:`_may_finish_later`), each parameter's ``.grad``
+# becomes a view of the output, and the first reader is whatever runs after ``backward()`` returns
+# (the loss scaler, clipping, the optimizer). Then :func:`_launch` posts the ring's first exchange
+# and returns; gloo's own threads move the bytes while the next unit computes its backward. The
+# rest of the collective (waiting on the exchange, the adds, the division, the copies back) runs
+# before the next reduce-scatter starts, or at the end of backward from an autograd final callback
+# (queued once per backward, after FSDP2's own, so the root's late reductions are finished too).
+# The same operations run on the same buffers in the same order, so the bits are those of the
+# blocking call. Stages 1-2 only (``overlap``): stage 3's gradient offload reads the output as
+# soon as FSDP2 returns (offload/grads.py).
+_in_flight: list[Steps] = []
+_callback_task = -1  # the backward (autograd graph task) whose final callback finishes them
+
+
+_ONE_DTYPE_WAY_OUT = (
+    " Reduce every gradient in one dtype to avoid this path: AmpZeroStrategy(precision={'communication_data_type':"
+    " 'fp32'}) (Hydra: strategy.precision.communication_data_type=fp32), and report it.")
+
+
+def _foreach_reduce_locals() -> Optional[dict[str, Any]]:
+    """The local variables of FSDP2's ``foreach_reduce`` calling the reduce-scatter that calls this, or None.
+
+    ``foreach_reduce`` is the reduce-scatter's direct caller in torch 2.13; a wrapper or two between
+    them is allowed.
+    """
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "foreach_reduce" and "fsdp_params" in frame.f_locals:
+            return frame.f_locals
+        frame = frame.f_back
+    return None
+
+
+def _may_finish_later(output: torch.Tensor, caller: Optional[dict[str, Any]]) -> bool:
+    """Whether FSDP2's ``foreach_reduce`` (``caller``: its locals) reads ``output`` only after backward (the Note)."""
+    if caller is None or (caller.get("postdivide_factor") is not None or caller.get("all_reduce_group") is not None
+                          or caller.get("all_reduce_hook") is not None
+                          or caller.get("orig_dtype") not in (None, output.dtype)):
+        return False
+    return all(fp.sharded_param.grad is None and not getattr(fp, "offload_to_cpu", False)
+               and not getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None)
+               for fp in caller["fsdp_params"])
+
+
+def finish_in_flight() -> None:
+    """Finish every reduce-scatter left in flight, oldest first ([Note: reduce-scatters in flight])."""
+    while _in_flight:
+        _run(_in_flight.pop(0))
+
+
+def _launch(steps: Steps, *, later: bool) -> None:
+    """Run ``steps``; with ``later``, only to its first wait, when the end of this backward can finish it."""
+    global _callback_task
+    finish_in_flight()  # the previous unit's transfer, which had this unit's backward to get done
+    task = torch._C._current_graph_task_id()
+    if later and task != _callback_task:
+        if task == -1:  # not inside a backward pass (a call from user code): finish at once
+            later = False
+        else:
+            torch.autograd.Variable._execution_engine.queue_callback(finish_in_flight)
+            _callback_task = task
+    if not later:
+        _run(steps)
+        return
+    first = next(steps, None)
+    if first is not None:
+        _in_flight.append(_resume(first, steps))
+
+
+def _resume(first: list[Any], steps: Steps) -> Steps:
+    yield first
+    yield from steps
 
 
 class GlooReduceScatter(_PlainAlloc, _RSBase):
@@ -176,25 +336,35 @@ class GlooReduceScatter(_PlainAlloc, _RSBase):
     ``native_off_gloo``: on a group of another backend, the backend's own reduce-scatter
     (what :class:`LowPrecisionReduceScatter` needs; :func:`install_gloo_comms` installs this class
     on gloo groups only).
+    ``overlap``: leave the collective in flight while backward goes on where FSDP2 allows it
+    ([Note: reduce-scatters in flight]; stages 1-2).
     """
 
-    def __init__(self, min_numel: Optional[int] = None, *, native_off_gloo: bool = False) -> None:
+    def __init__(self, min_numel: Optional[int] = None, *, native_off_gloo: bool = False,
+                 overlap: bool = False) -> None:
         self.min_numel = GLOO_REDUCE_SCATTER_MIN_NUMEL if min_numel is None else min_numel
         self.native_off_gloo = native_off_gloo
+        self.overlap = overlap
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> Optional[dist.Work]:
+        later = self.overlap and _may_finish_later(output_tensor, _foreach_reduce_locals())
+        _launch(self.steps(output_tensor, input_tensor, group, op), later=later)
+        return None  # done, or finished before anything reads it: FSDP2 waits on nothing
+
+    def steps(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+              op: Any) -> Steps:
         if (input_tensor.numel() < self.min_numel or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
                 or (self.native_off_gloo and dist.get_backend(group) != "gloo")):
             # Looked up at call time, so tools that patch torch.distributed (traffic counters) see it.
             reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            yield [reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=True)]
+            return
         world = dist.get_world_size(group)
-        with torch.profiler.record_function(f"{RS_LABEL}#{input_tensor.dtype}#{world}"):
-            _ring_reduce_scatter_(output_tensor.view(-1), input_tensor.view(-1), group)
+        yield from _ring_reduce_scatter_steps(output_tensor.view(-1), input_tensor.view(-1), group,
+                                              f"{RS_LABEL}#{input_tensor.dtype}#{world}")
         if op == dist.ReduceOp.AVG:  # the sum, then the division gloo's reduce-scatter makes
             output_tensor.div_(world)
-        return None  # done: FSDP2 waits on nothing
 
 
 class GlooAllGather(_PlainAlloc, _AGBase):
@@ -205,13 +375,35 @@ class GlooAllGather(_PlainAlloc, _AGBase):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> Optional[dist.Work]:
+        finish_in_flight()  # [Note: reduce-scatters in flight]: their sends go first, on every rank
         if output_tensor.numel() < self.min_numel:
             all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
-        world = dist.get_world_size(group)
-        with torch.profiler.record_function(f"{AG_LABEL}#{output_tensor.dtype}#{world}"):
-            _ring_all_gather_(output_tensor.view(-1), input_tensor.view(-1), group)
-        return None  # done: FSDP2 waits on nothing
+        steps = _ring_all_gather_steps(output_tensor.view(-1), input_tensor.view(-1), group)
+        if not async_op:
+            _run(steps)
+            return None  # done: FSDP2 waits on nothing
+        # FSDP2 prefetches this group (stages 1-2 on gloo, apply.py) and waits on the Work right
+        # before it copies the parameters out: the bytes move in gloo's threads meanwhile.
+        first = next(steps, None)
+        return _StepsWork(_resume(first, steps) if first is not None else iter(()))
+
+
+class _StepsWork(dist.Work):
+    """The :class:`dist.Work` of a collective left in flight: ``wait()`` runs the rest of its steps."""
+
+    def __init__(self, steps: Steps) -> None:
+        super().__init__()
+        self._steps: Optional[Steps] = steps
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._steps is not None:
+            steps, self._steps = self._steps, None
+            _run(steps)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._steps is None
 
 
 class MixedWireReduceScatter(_PlainAlloc, _RSBase):
@@ -226,9 +418,11 @@ class MixedWireReduceScatter(_PlainAlloc, _RSBase):
     fp32 as usual; this reduce-scatter splits the packed input by parameter into a low-dtype
     buffer (divided by the world size, then cast, as :class:`LowPrecisionReduceScatter`) and
     an fp32 one (summed, then divided, as the fp32 group's :class:`GlooReduceScatter`), reduces
-    each (a ring above the thresholds), and writes both back into FSDP2's fp32 output. Each
-    element goes through the same operations as in the two-group layout, so the bits are the
-    same; the step loses a group's hooks and collectives (benchmarks/README.md, issue 16).
+    each (the low part by a ring above the threshold, and then the fp32 part too, beside the
+    low part's), and writes both back into FSDP2's fp32 output. Each element goes through the
+    same operations as in the two-group layout, so with 2 ranks the bits are the same (with more,
+    an fp32 part under the threshold is summed in ring order rather than gloo's); the step loses
+    a group's hooks and collectives (benchmarks/README.md, issue 16).
     At stage 3 the safe modules also gather in the low dtype, which needs a group of its own.
 
     Which parameters FSDP2 packed, in which order: those with a gradient this backward, in group
@@ -240,34 +434,16 @@ class MixedWireReduceScatter(_PlainAlloc, _RSBase):
     unlike the parameters).
     """
 
-    def __init__(self, modules: "list[Any]", dtype: torch.dtype) -> None:
+    def __init__(self, modules: "list[Any]", dtype: torch.dtype, *, overlap: bool = True) -> None:
         self.dtype = dtype
         self.modules = list(modules)  # held: their identity decides, so their ids must stay theirs
         self._low = {id(m) for m in self.modules}
+        self.overlap = overlap
 
-    @staticmethod
-    def _packed_params() -> list[Any]:
-        """FSDP2's ``fsdp_params`` argument of the ``foreach_reduce`` call that is calling us."""
-        frame = sys._getframe(2)
-        for _ in range(4):  # foreach_reduce is our direct caller in torch 2.13; allow a wrapper or two
-            if frame is None:
-                break
-            if frame.f_code.co_name == "foreach_reduce" and "fsdp_params" in frame.f_locals:
-                return frame.f_locals["fsdp_params"]
-            frame = frame.f_back
-        raise RuntimeError(
-            "lightning_ampzero: MixedWireReduceScatter (zero/comm.py) was called outside FSDP2's foreach_reduce,"
-            " so it cannot tell which parameters the reduce-scatter input packs; this torch version reduces"
-            " gradients differently from torch 2.13. Reduce every gradient in one dtype to avoid this path:"
-            " AmpZeroStrategy(precision={'communication_data_type': 'fp32'}) (Hydra:"
-            " strategy.precision.communication_data_type=fp32), and report it."
-        )
-
-    def _runs(self, numel: int, world: int) -> list[tuple[int, int, bool]]:
+    def _runs(self, params: list[Any], numel: int, world: int) -> list[tuple[int, int, bool]]:
         """(start, stop, low) column ranges of the input viewed as (world, numel // world), merged by dtype."""
         runs: list[tuple[int, int, bool]] = []
         start = 0
-        params = self._packed_params()
         for fp in params:
             stop = start + fp.padded_sharded_param_size.numel()
             low = id(fp._module_info.module) in self._low
@@ -281,25 +457,38 @@ class MixedWireReduceScatter(_PlainAlloc, _RSBase):
             raise RuntimeError(
                 f"lightning_ampzero: the reduce-scatter input has {numel} elements, but the {len(params)} parameters"
                 f" FSDP2 says it packed ({names}, ...) make {start * world}: this torch version packs gradients"
-                " differently from what zero/comm.py MixedWireReduceScatter expects. Reduce every gradient in one"
-                " dtype to avoid this path: AmpZeroStrategy(precision={'communication_data_type': 'fp32'}) (Hydra:"
-                " strategy.precision.communication_data_type=fp32), and report it."
+                " differently from what zero/comm.py MixedWireReduceScatter expects." + _ONE_DTYPE_WAY_OUT
             )
         return runs
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> Optional[dist.Work]:
-        world = dist.get_world_size(group)
+        caller = _foreach_reduce_locals()
+        if caller is None:
+            raise RuntimeError(
+                "lightning_ampzero: MixedWireReduceScatter (zero/comm.py) was called outside FSDP2's foreach_reduce,"
+                " so it cannot tell which parameters the reduce-scatter input packs; this torch version reduces"
+                " gradients differently from torch 2.13." + _ONE_DTYPE_WAY_OUT
+            )
         if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
             raise NotImplementedError(
                 f"MixedWireReduceScatter handles the AVG and SUM reductions FSDP2 uses by default, got {op}: leave"
                 " the gradient divide factor at its default."
             )
-        runs = self._runs(input_tensor.numel(), world)
+        runs = self._runs(caller["fsdp_params"], input_tensor.numel(), dist.get_world_size(group))
+        later = self.overlap and _may_finish_later(output_tensor, caller)
+        _launch(self.steps(runs, output_tensor, input_tensor, group, op), later=later)
+        return None  # done, or finished before anything reads it: FSDP2 waits on nothing
+
+    def steps(self, runs: list[tuple[int, int, bool]], output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+              group: dist.ProcessGroup, op: Any) -> Steps:
+        world = dist.get_world_size(group)
         if all(not low for _, _, low in runs):
-            return GlooReduceScatter()(output_tensor, input_tensor, group, op)
+            yield from GlooReduceScatter().steps(output_tensor, input_tensor, group, op)
+            return
         if all(low for _, _, low in runs):
-            return LowPrecisionReduceScatter(self.dtype)(output_tensor, input_tensor, group, op)
+            yield from LowPrecisionReduceScatter(self.dtype).steps(output_tensor, input_tensor, group, op)
+            return
         packed = input_tensor.view(world, -1)
         sizes = {flag: sum(b - a for a, b, low in runs if low is flag) for flag in (True, False)}
         send = {True: torch.empty(world, sizes[True], dtype=self.dtype, device=input_tensor.device),
@@ -312,13 +501,17 @@ class MixedWireReduceScatter(_PlainAlloc, _RSBase):
             at[low] += b - a
         received = {flag: torch.empty(sizes[flag], dtype=send[flag].dtype, device=input_tensor.device)
                     for flag in (True, False)}
-        GlooReduceScatter(native_off_gloo=True)(received[True], send[True].view(-1), group, dist.ReduceOp.SUM)
-        GlooReduceScatter(native_off_gloo=True)(received[False], send[False].view(-1), group, op)
+        low = GlooReduceScatter(native_off_gloo=True)
+        # When the low part goes by the ring, so does the rest (LayerNorms, embeddings: usually
+        # under the threshold), side by side: its exchange rides along the low part's instead of
+        # being a gloo collective of its own (-1.5% of a stage-1 step, issue 16).
+        rest = GlooReduceScatter(0 if send[True].numel() >= low.min_numel else None, native_off_gloo=True)
+        yield from _lockstep(low.steps(received[True], send[True].view(-1), group, dist.ReduceOp.SUM),
+                             rest.steps(received[False], send[False].view(-1), group, op))
         at = {True: 0, False: 0}
         for a, b, low in runs:
             output_tensor[a:b].copy_(received[low][at[low]:at[low] + b - a])
             at[low] += b - a
-        return None  # done: FSDP2 waits on nothing
 
 
 def install_mixed_wire(fsdp_module: Any, low: "dict[Any, torch.dtype]") -> bool:
@@ -341,11 +534,12 @@ def install_mixed_wire(fsdp_module: Any, low: "dict[Any, torch.dtype]") -> bool:
     return True
 
 
-def install_gloo_comms(fsdp_module: Any, group: dist.ProcessGroup, *, reduce_scatter: bool = True) -> bool:
+def install_gloo_comms(fsdp_module: Any, group: dist.ProcessGroup, *, reduce_scatter: bool = True,
+                       overlap: bool = False) -> bool:
     """Give a group of a gloo mesh :class:`GlooAllGather` (and :class:`GlooReduceScatter`); False elsewhere."""
     if _AllGather is None or dist.get_backend(group) != "gloo":
         return False
     fsdp_module.set_custom_all_gather(GlooAllGather())
     if reduce_scatter:
-        fsdp_module.set_custom_reduce_scatter(GlooReduceScatter())
+        fsdp_module.set_custom_reduce_scatter(GlooReduceScatter(overlap=overlap))
     return True
