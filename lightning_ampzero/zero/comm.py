@@ -20,8 +20,8 @@ Gloo's all-reduce is a tuned ring; its reduce-scatter is an all-reduce of the wh
 the traffic a reduce-scatter needs) and its all-gather is slow on large buffers, while its
 point-to-point send/recv is as fast as the all-reduce's own transfers. So above
 :data:`GLOO_REDUCE_SCATTER_MIN_NUMEL` / :data:`GLOO_ALL_GATHER_MIN_NUMEL` elements the groups of a
-gloo mesh reduce-scatter and all-gather by a ring of send/recv (:func:`_ring_reduce_scatter_`,
-:func:`_ring_all_gather_`): N-1 steps, each rank sending one chunk to the next rank while
+gloo mesh reduce-scatter and all-gather by a ring of send/recv (:func:`_ring_reduce_scatter_steps`,
+:func:`_ring_all_gather_steps`): N-1 steps, each rank sending one chunk to the next rank while
 receiving one from the previous (the bandwidth-optimal schedule), with no buffer but FSDP2's own:
 the reduce-scatter sums into its input, dead after the call, and receives into its output.
 Measured on this 2-core machine, 2 ranks, fp32 (benchmarks/results/gloo_comm.md), for 4.9M
@@ -182,11 +182,6 @@ def _ring_reduce_scatter_steps(output: torch.Tensor, input: torch.Tensor, group:
             output.add_(chunks[target])
 
 
-def _ring_reduce_scatter_(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """:func:`_ring_reduce_scatter_steps`, run to the end."""
-    _run(_ring_reduce_scatter_steps(output, input, group, f"{RS_LABEL}#{input.dtype}#{dist.get_world_size(group)}"))
-
-
 def _lockstep(*parts: Steps) -> Steps:
     """Several collectives' steps side by side: each yield waits on every part's current works."""
     live = list(parts)
@@ -216,37 +211,6 @@ def _ring_all_gather_steps(output: torch.Tensor, input: torch.Tensor, group: dis
         yield works
 
 
-def _ring_all_gather_(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """:func:`_ring_all_gather_steps`, run to the end."""
-    _run(_ring_all_gather_steps(output, input, group))
-
-
-def _lockstep(*parts: Steps) -> Steps:
-    """Several collectives' steps side by side: each yield waits on every part's current works."""
-    live = list(parts)
-    while live:
-        works: list[Any] = []
-        going = []
-        for part in live:
-            step = next(part, None)
-            if step is not None:
-                works.extend(step)
-                going.append(part)
-        live = going
-        if works:
-            yield works
-
-
-def _ring_all_gather_(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """``output`` (1-D) = every rank's ``input``, in rank order. Step s passes on chunk (rank - s)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    chunks = output.view(world, -1)
-    if input.data_ptr() != chunks[rank].data_ptr():  # FSDP2 copies in place: usually the same
-        chunks[rank].copy_(input.view(-1))
-    for step in range(world - 1):
-        _run([_exchange(chunks[(rank - step) % world], chunks[(rank - step - 1) % world], group, rank, world)])
-
-
 # [Note: reduce-scatters in flight]
 # FSDP2 calls a group's reduce-scatter from the group's post-backward hook and, on CPU (no
 # streams), expects the result on return; so every unit's backward stopped until its gradients
@@ -263,7 +227,13 @@ def _ring_all_gather_(output: torch.Tensor, input: torch.Tensor, group: dist.Pro
 # (queued once per backward, after FSDP2's own, so the root's late reductions are finished too).
 # The same operations run on the same buffers in the same order, so the bits are those of the
 # blocking call. Stages 1-2 only (``overlap``): stage 3's gradient offload reads the output as
-# soon as FSDP2 returns (offload/grads.py).
+# soon as FSDP2 returns (offload/grads.py). The all-gathers of stages 1-2 are prefetched the same
+# way (:class:`GlooAllGather` returns a Work whose ``wait()`` finishes the ring; apply.py
+# ``_prefetch_forward_on_gloo``). What it buys on this 2-core machine is small, because the
+# bytes are moved by the same two cores that compute: bare-loop A/B (2 ranks, the suite's GPT,
+# bf16-mixed, 30-40 interleaved rounds) 0.1-1.9% of a stage-1 or stage-2 step, within the noise
+# on some runs (issue 16's note). A collective is written as a generator of its waits
+# (``Steps``), so the blocking and the in-flight call are one code path.
 _in_flight: list[Steps] = []
 _callback_task = -1  # the backward (autograd graph task) whose final callback finishes them
 
