@@ -213,27 +213,29 @@ def _ring_all_gather_steps(output: torch.Tensor, input: torch.Tensor, group: dis
 
 # [Note: reduce-scatters in flight]
 # FSDP2 calls a group's reduce-scatter from the group's post-backward hook and, on CPU (no
-# streams), expects the result on return; so every unit's backward stopped until its gradients
-# had crossed the wire, while DDP's all-reduce runs in gloo's threads as backward goes on (about
-# 9 ms of a 110 ms stage-1 step waited there, issue 16). Yet when nothing reads the output before
-# the end of backward, FSDP2 only takes views of it: with no gradient already there to add into,
-# no division or cast after the call, no post-accumulate-grad hook and no CPU offload (read from
-# the caller's ``foreach_reduce`` frame, :func:`_may_finish_later`), each parameter's ``.grad``
-# becomes a view of the output, and the first reader is whatever runs after ``backward()`` returns
-# (the loss scaler, clipping, the optimizer). Then :func:`_launch` posts the ring's first exchange
-# and returns; gloo's own threads move the bytes while the next unit computes its backward. The
-# rest of the collective (waiting on the exchange, the adds, the division, the copies back) runs
-# before the next reduce-scatter starts, or at the end of backward from an autograd final callback
-# (queued once per backward, after FSDP2's own, so the root's late reductions are finished too).
-# The same operations run on the same buffers in the same order, so the bits are those of the
-# blocking call. Stages 1-2 only (``overlap``): stage 3's gradient offload reads the output as
-# soon as FSDP2 returns (offload/grads.py). The all-gathers of stages 1-2 are prefetched the same
-# way (:class:`GlooAllGather` returns a Work whose ``wait()`` finishes the ring; apply.py
-# ``_prefetch_forward_on_gloo``). What it buys on this 2-core machine is small, because the
-# bytes are moved by the same two cores that compute: bare-loop A/B (2 ranks, the suite's GPT,
-# bf16-mixed, 30-40 interleaved rounds) 0.1-1.9% of a stage-1 or stage-2 step, within the noise
-# on some runs (issue 16's note). A collective is written as a generator of its waits
-# (``Steps``), so the blocking and the in-flight call are one code path.
+# streams), expects the result on return; so with several groups every unit's backward stopped
+# until its gradients had crossed the wire, where DDP's bucketed all-reduce runs in gloo's threads
+# as backward goes on. Yet when nothing reads the output before the end of backward, FSDP2 only
+# takes views of it: with no gradient already there to add into, no division or cast after the
+# call, no post-accumulate-grad hook and no CPU offload (read from the caller's ``foreach_reduce``
+# frame, :func:`_may_finish_later`), each parameter's ``.grad`` becomes a view of the output, and
+# the first reader is whatever runs after ``backward()`` returns (the loss scaler, clipping, the
+# optimizer). Then :func:`_launch` posts the ring's first exchange and returns; gloo's own threads
+# move the bytes while the next unit computes its backward. The rest of the collective (waiting
+# on the exchange, the adds, the division, the copies back) runs before the next reduce-scatter
+# starts, or at the end of backward from an autograd final callback (queued once per backward,
+# after FSDP2's own, so the root's late reductions are finished too). The same operations run on
+# the same buffers in the same order, so the bits are those of the blocking call. Stages 1-2 only
+# (``overlap``): stage 3's gradient offload reads the output as soon as FSDP2 returns
+# (offload/grads.py). The all-gathers of stages 1-2 are prefetched the same way (:class:`GlooAllGather`
+# returns a Work whose ``wait()`` finishes the ring; apply.py ``_prefetch_forward_on_gloo``).
+# It matters for a model of several groups below stage 3 (beyond one bucket, ``reduce_bucket_size``,
+# 5e8 elements by default; [Note: units below stage 3] in units.py): the suite's GPT with
+# per-block units (``reduce_bucket_size=1e6``), stage 1 bf16-mixed, bare loop, 16 interleaved
+# rounds: 1.34x bare DDP's step blocking, 1.23x in flight. A model in one bucket is one group,
+# reduced once at the very end of backward: nothing left to overlap, and it still runs faster
+# (1.05x in that A/B) than the same model in units. A collective is written as a generator of
+# its waits (``Steps``), so the blocking and the in-flight call are one code path.
 _in_flight: list[Steps] = []
 _callback_task = -1  # the backward (autograd graph task) whose final callback finishes them
 
@@ -474,7 +476,8 @@ class MixedWireReduceScatter(_PlainAlloc, _RSBase):
         low = GlooReduceScatter(native_off_gloo=True)
         # When the low part goes by the ring, so does the rest (LayerNorms, embeddings: usually
         # under the threshold), side by side: its exchange rides along the low part's instead of
-        # being a gloo collective of its own (-1.5% of a stage-1 step, issue 16).
+        # being a gloo collective of its own. Suite, bf16-mixed / DDP, old and new code in
+        # alternating runs: stage 1 1.089-1.099 -> 1.063-1.078, stage 2 1.100-1.121 -> 1.057-1.080.
         rest = GlooReduceScatter(0 if send[True].numel() >= low.min_numel else None, native_off_gloo=True)
         yield from _lockstep(low.steps(received[True], send[True].view(-1), group, dist.ReduceOp.SUM),
                              rest.steps(received[False], send[False].view(-1), group, op))
