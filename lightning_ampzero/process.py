@@ -155,3 +155,45 @@ def exit_status(code: object) -> int:
         return code
     print(code, file=sys.stderr)
     return 1
+
+
+#: Seconds Lightning's launcher waits, once a child rank has ended on an error, before it kills
+#: the other ranks ([Note: a launcher that lets the live ranks report]).
+LAUNCHER_GRACE_S = 4.0
+
+
+def subprocess_launcher(cluster_environment, num_processes: int, num_nodes: int):  # type: ignore[no-untyped-def]
+    """Lightning's subprocess-script launcher whose child observer gives the live ranks time to report.
+
+    [Note: a launcher that lets the live ranks report]
+    Lightning's launcher (rank 0's process) checks its child ranks every 5 s and, when one has
+    ended with an error, kills every rank at once. The ranks still alive are then usually in a
+    collective that has just failed on the lost peer, and the watchdog's callback is writing the
+    report that names it (watchdog.py: it reads every rank's record a beat and a half apart).
+    Killed in the middle, that report was lost on some runs (it depended on where the kill fell in
+    the 5-s period: tests/test_watchdog.py failed about one run in five on a loaded machine). This
+    launcher's observer waits :data:`LAUNCHER_GRACE_S` before it kills, so a run with a dead rank
+    ends a few seconds later, with every live rank's report printed.
+    """
+    import time
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    class _PatientObserver(_ChildProcessObserver):
+        def _terminate_all(self) -> None:
+            time.sleep(LAUNCHER_GRACE_S)  # the live ranks' watchdog reports (the Note)
+            super()._terminate_all()
+
+    class _Launcher(_SubprocessScriptLauncher):
+        def launch(self, function, *args, trainer=None, **kwargs):  # type: ignore[no-untyped-def]
+            # Lightning's launch, with the observer above in place of its own.
+            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+            if not self.cluster_environment.creates_processes_externally:
+                self._call_children_scripts()
+                _PatientObserver(child_processes=self.procs, main_pid=os.getpid()).start()
+            _set_num_threads_if_needed(num_processes=self.num_processes)
+            return function(*args, **kwargs)
+
+    return _Launcher(cluster_environment, num_processes, num_nodes)

@@ -49,7 +49,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -71,7 +70,7 @@ from lightning_ampzero.offload import setup as offload_setup
 from lightning_ampzero.offload.optimizer import is_offloaded
 from lightning_ampzero.offload.params import after_checkpoint
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
-from lightning_ampzero.process import release_process_groups
+from lightning_ampzero.process import release_process_groups, subprocess_launcher
 from lightning_ampzero.torch_compile import apply_compile
 from lightning_ampzero.hf import load_pending_pretrained
 from lightning_ampzero.sigterm import AsyncSigtermBroadcast
@@ -239,7 +238,8 @@ class AmpZeroStrategy(ParallelStrategy):
         # the launcher then starts nothing, but it gives each process its share of the cores
         # (torch threads = cores / processes per node unless OMP_NUM_THREADS is set), as for
         # Lightning's ddp. Without it each rank ran as many threads as the machine has cores.
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        # [Note: a launcher that lets the live ranks report] in process.py
+        self._launcher = subprocess_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()

@@ -39,8 +39,9 @@ the error's first line), and a peer that gets a transport error reads every rank
 a beat and a half apart (:meth:`Watchdog.explain_lost_peer`): ranks that stopped beating are gone,
 ranks that published an error say which. The message is printed and added to the exception as a
 note, so it is in the traceback the user reads. (Lightning's launcher checks its child processes
-every 5 s and kills the whole run when one has ended: a report that needs the beat and a half may
-be cut short on the rank that hosts the launcher.)
+every 5 s and kills the whole run when one has ended; the strategy's launcher waits a few seconds
+first, so that report is not cut short: [Note: a launcher that lets the live ranks report] in
+process.py.)
 
 The process group's own timeout stays as the last resort: it is what ends a collective stuck in a
 process whose watchdog is itself stuck.
