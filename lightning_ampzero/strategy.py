@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import time
 import typing
 from contextlib import contextmanager
 from datetime import timedelta
@@ -44,11 +45,14 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -70,7 +74,7 @@ from lightning_ampzero.offload import setup as offload_setup
 from lightning_ampzero.offload.optimizer import is_offloaded
 from lightning_ampzero.offload.params import after_checkpoint
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
-from lightning_ampzero.process import release_process_groups, subprocess_launcher
+from lightning_ampzero.process import release_process_groups
 from lightning_ampzero.torch_compile import apply_compile
 from lightning_ampzero.hf import load_pending_pretrained
 from lightning_ampzero.sigterm import AsyncSigtermBroadcast
@@ -138,6 +142,43 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
     if top_kw:
         cfg = dataclasses.replace(cfg, **top_kw)
     return cfg, imported
+
+
+#: Seconds the strategy's launcher waits, once a child rank has ended on an error, before it kills
+#: the other ranks ([Note: a launcher that lets the live ranks report]).
+LAUNCHER_GRACE_S = 4.0
+
+
+class _PatientObserver(_ChildProcessObserver):
+    """Lightning's child-process observer, giving the live ranks time to report before it kills them.
+
+    [Note: a launcher that lets the live ranks report]
+    Lightning's launcher (rank 0's process) checks its child ranks every 5 s and, when one has
+    ended with an error, kills every rank at once. The ranks still alive are then usually in a
+    collective that has just failed on the lost peer, and the watchdog's callback is writing the
+    report that names it (watchdog.py: it reads every rank's record a beat and a half apart).
+    Killed in the middle, that report was lost on some runs (it depended on where the kill fell in
+    the 5-s period: tests/test_watchdog.py failed about one case in ten on a loaded machine). This
+    observer waits :data:`LAUNCHER_GRACE_S` before it kills, so a run with a dead rank ends a few
+    seconds later, with every live rank's report printed.
+    """
+
+    def _terminate_all(self) -> None:
+        time.sleep(LAUNCHER_GRACE_S)
+        super()._terminate_all()
+
+
+class _PatientLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess-script launcher with :class:`_PatientObserver` as its child observer."""
+
+    def launch(self, function, *args, trainer=None, **kwargs):  # type: ignore[no-untyped-def]
+        # Lightning's launch, with the observer above in place of its own.
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            _PatientObserver(child_processes=self.procs, main_pid=os.getpid()).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
 
 
 class AmpZeroStrategy(ParallelStrategy):
@@ -238,8 +279,7 @@ class AmpZeroStrategy(ParallelStrategy):
         # the launcher then starts nothing, but it gives each process its share of the cores
         # (torch threads = cores / processes per node unless OMP_NUM_THREADS is set), as for
         # Lightning's ddp. Without it each rank ran as many threads as the machine has cores.
-        # [Note: a launcher that lets the live ranks report] in process.py
-        self._launcher = subprocess_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = _PatientLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()

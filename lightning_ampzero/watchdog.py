@@ -41,7 +41,7 @@ ranks that published an error say which. The message is printed and added to the
 note, so it is in the traceback the user reads. (Lightning's launcher checks its child processes
 every 5 s and kills the whole run when one has ended; the strategy's launcher waits a few seconds
 first, so that report is not cut short: [Note: a launcher that lets the live ranks report] in
-process.py.)
+strategy.py.)
 
 The process group's own timeout stays as the last resort: it is what ends a collective stuck in a
 process whose watchdog is itself stuck.

@@ -236,6 +236,15 @@ def _ring_all_gather_steps(output: torch.Tensor, input: torch.Tensor, group: dis
 # reduced once at the very end of backward: nothing left to overlap, and it still runs faster
 # (1.05x in that A/B) than the same model in units. A collective is written as a generator of
 # its waits (``Steps``), so the blocking and the in-flight call are one code path.
+# The contract is DDP's and DeepSpeed's (``overlap_comm``): gradients are final when
+# ``backward()`` returns. Code that runs *during* backward and reads or writes the ``.grad`` of
+# another group, one already reduced (a tensor hook on an activation, a module backward hook),
+# sees the output buffer while the ring still fills it: not the old gradient, as under DDP, but
+# whatever the buffer holds (a new-user trial found it, issue 16's note). A post-accumulate-grad
+# hook on the group's own parameters is detected and keeps the group blocking; the others cannot
+# be seen from here. A switch to turn the overlap off (``zero.overlap_comm``, DeepSpeed's key) is
+# the next step; until then such code needs stage 3 or a model of one group (the default below
+# ``reduce_bucket_size`` elements), where nothing is left in flight during backward.
 _in_flight: list[Steps] = []
 _callback_task = -1  # the backward (autograd graph task) whose final callback finishes them
 
