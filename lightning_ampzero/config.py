@@ -43,6 +43,14 @@ class ZeroConfig(FromDict, section="zero"):
         wrap_modules: class names of the modules that become communication units before bucketing.
             Empty = automatic: the repeated blocks (classes occurring at least twice inside a
             ModuleList/Sequential), e.g. transformer blocks.
+        overlap_comm: stages 1-2 on gloo (CPU), with a model of several groups: leave each group's
+            gradient reduce-scatter in flight while backward goes on, and all-gather the next
+            group's parameters while the current one computes its forward (DeepSpeed's key of the
+            same name). Gradients are final when ``backward()`` returns either way; code that runs
+            *during* backward and reads another group's ``.grad`` needs ``False`` ([Note:
+            reduce-scatters in flight] in lightning_ampzero/zero/comm.py). Stage 0 (DDP's buckets)
+            and CUDA (FSDP2's streams) always overlap, stage 3 on gloo never does: ``False`` there
+            has no effect, with a warning.
         timeout_s: process-group timeout in seconds.
         watchdog_s: seconds a rank may go without progress before the hang detector ends the run on
             every live rank, naming the ranks that are missing and where ([Note: hang detection] in
@@ -58,6 +66,7 @@ class ZeroConfig(FromDict, section="zero"):
     param_persistence_threshold: float = 1e5
     hpz_partition_size: int = 1
     wrap_modules: tuple[str, ...] = ()
+    overlap_comm: bool = True
     timeout_s: float = 1800.0
     watchdog_s: Optional[float] = None
     process_group_backend: Optional[str] = None
@@ -82,6 +91,8 @@ class ZeroConfig(FromDict, section="zero"):
                 f" gathered parameters kept for backward), got stage={self.stage}. Set stage=3 or"
                 " hpz_partition_size=1."
             )
+        if not isinstance(self.overlap_comm, bool):
+            raise ValueError(f"zero.overlap_comm must be true or false, got {self.overlap_comm!r}.")
         check_number(owner, "timeout_s", self.timeout_s, minimum=1)
         if self.watchdog_s is not None:
             check_number(owner, "watchdog_s", self.watchdog_s, minimum=0)

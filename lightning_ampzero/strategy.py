@@ -51,7 +51,9 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -79,7 +81,7 @@ from lightning_ampzero.torch_compile import apply_compile
 from lightning_ampzero.hf import load_pending_pretrained
 from lightning_ampzero.sigterm import AsyncSigtermBroadcast
 from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
-from lightning_ampzero.zero.apply import apply_zero, fsdp_modules, no_sync, register_root_method
+from lightning_ampzero.zero.apply import apply_zero, fsdp_modules, no_sync, overlap_comm_note, register_root_method
 from lightning_ampzero.zero.init import ZeroInit, take_local_shards
 from lightning_ampzero.zero.materialize import built_outside_note, materialize_meta_, move_real_tensors_
 
@@ -188,7 +190,8 @@ class AmpZeroStrategy(ParallelStrategy):
         config: an :class:`AmpZeroConfig`, a DeepSpeed config (dict, or path to its JSON file), or None.
         **overrides: fields of :class:`ZeroConfig` (``stage``, ``reduce_bucket_size``,
             ``allgather_bucket_size``, ``prefetch_bucket_size``, ``param_persistence_threshold``,
-            ``hpz_partition_size``, ``wrap_modules``, ``timeout_s``, ``process_group_backend``) or of
+            ``hpz_partition_size``, ``wrap_modules``, ``overlap_comm``, ``timeout_s``,
+            ``process_group_backend``) or of
             :class:`AmpZeroConfig` (``precision``, ...). ``precision`` may be a precision string
             ("16-mixed", ...): it sets ``PrecisionConfig.precision``, which wins over ``Trainer(precision=)``.
     """
@@ -215,6 +218,10 @@ class AmpZeroStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.num_nodes = 1
+        # Stage 0's DDP under manual optimization: DDP must not prepare a backward after the step
+        # method (manual_backward ran inside it), pre_backward prepares it instead (Lightning's ddp).
+        self._forward_redirection = _DDPForwardRedirection()
+        self._ddp_interrupted = False  # stage 0: a backward raised ([Note: a step interrupted by an exception])
         self._device_mesh: Any = None
         self.units: list[Any] = []
         self.activation_checkpointing: Any = None  # what apply_activation_checkpointing did (setup)
@@ -342,6 +349,9 @@ class AmpZeroStrategy(ParallelStrategy):
         note = fp8_device_note(self.config.fp8, self.root_device)
         if note is not None:
             rank_zero_warn(note)
+        note = overlap_comm_note(self.config.zero, torch.distributed.get_backend())
+        if note is not None:
+            rank_zero_warn(note)
         module = self.model
         from torch.distributed.fsdp import FSDPModule
 
@@ -430,11 +440,56 @@ class AmpZeroStrategy(ParallelStrategy):
 
         bucket_mb = self.config.zero.reduce_bucket_size * 4 / 2**20  # elements of fp32 gradients
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_mb)
+        # Manual optimization often backpropagates through part of the model at a time (a GAN's
+        # two optimizers), as FSDP2 at stages 1-3 and DeepSpeed's stage 0 allow: DDP must look for
+        # the parameters each backward leaves out, or it waits for their gradients.
+        manual = self.lightning_module is not None and not self.lightning_module.automatic_optimization
+        return DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_mb,
+                                       find_unused_parameters=manual)
 
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_ddp_not_interrupted()
+        try:
+            return super().training_step(*args, **kwargs)
+        except RuntimeError as error:
+            if self.stage != 0 or "Expected to have finished reduction in the prior iteration" not in str(error):
+                raise
+            raise RuntimeError(
+                "Stage 0 is DDP, which needs a gradient for every parameter that requires one in every"
+                " backward, and some parameters of this model got none (torch's message is above). Use stage 1,"
+                " 2 or 3, which allow it (FSDP2), freeze the parameters the loss does not use"
+                " (requires_grad=False), or use manual optimization, under which stage 0 looks for them."
+                " TORCH_DISTRIBUTED_DEBUG=INFO makes torch name them."
+            ) from error
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        assert self.lightning_module is not None
+        if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
+            prepare_for_backward(self.model, closure_loss)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        # [Note: a step interrupted by an exception] in zero/recover.py
+        self._check_ddp_not_interrupted()
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except BaseException:
+            self._ddp_interrupted = self.stage == 0
+            raise
+
+    def _check_ddp_not_interrupted(self) -> None:
+        if self._ddp_interrupted:
+            raise RuntimeError(
+                "An exception interrupted a backward at stage 0 and the training went on (it was caught)."
+                " Stage 0 is torch's DistributedDataParallel, whose reducer cannot be reset after a backward"
+                " stopped half way: its next step would fail. Let the exception end the run, or use stage 1,"
+                " 2 or 3, where the interrupted step is reset and training goes on (its gradients are lost)."
+            )
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

@@ -13,19 +13,6 @@ from torch import nn
 from _spawn import spawn
 
 
-def _blocking(model: nn.Module) -> None:
-    """Turn every overlap of ``apply_zero`` off: the reference layout (same groups, same collectives)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_modules_to_forward_prefetch([])
-            m._set_unshard_async_op(False)
-            group = m._get_fsdp_state()._fsdp_param_group
-            if group is not None and hasattr(group._reduce_scatter_comm, "overlap"):
-                group._reduce_scatter_comm.overlap = False
-
-
 def _body(rank: int, world: int, stage: int, mixed: bool, forced: bool, accumulate: int, hook: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -63,10 +50,10 @@ def _body(rank: int, world: int, stage: int, mixed: bool, forced: bool, accumula
         if mixed:  # "-mixed" below stage 3: the Linears' gradients travel in bf16 in their unit's group
             policies = {m: comm.CommDtypePolicy(comm_dtype=torch.bfloat16) for m in model.modules()
                         if isinstance(m, nn.Linear)}
-        apply_zero(model, mesh, ZeroConfig(stage=stage, reduce_bucket_size=2000, param_persistence_threshold=0),
+        # the reference: the same groups and collectives, with zero.overlap_comm=False
+        apply_zero(model, mesh, ZeroConfig(stage=stage, reduce_bucket_size=2000, param_persistence_threshold=0,
+                                           overlap_comm=overlap),
                    MixedPrecisionPolicy(), module_policies=policies)
-        if not overlap:
-            _blocking(model)
         seen: list[torch.Tensor] = []
         if hook:  # a reader during backward: FSDP2 calls it right after the output is viewed
             p = next(model.parameters())
@@ -103,7 +90,7 @@ def _check_same(r: dict) -> None:
         assert all(torch.equal(x, y) for x, y in zip(ga, gb))
     assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
     assert len(a["seen"]) == len(b["seen"]) and all(torch.equal(x, y) for x, y in zip(a["seen"], b["seen"]))
-    assert not any(a["later"]) and a["async_gathers"] == 0  # the reference really blocks
+    assert not any(a["later"]) and a["async_gathers"] == 0  # overlap_comm=False really blocks
     assert b["in_flight_after"] == 0
 
 
@@ -137,3 +124,66 @@ def test_a_gradient_read_during_backward_keeps_the_reduce_scatter_blocking():
             first, second = later[2 * n * step:2 * n * step + n], later[2 * n * step + n:2 * n * (step + 1)]
             assert first.count(False) == 1 and not any(second)
         assert len(r[True]["seen"]) == 6
+
+
+def _read_during_backward(rank: int, world: int, overlap: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from lightning_ampzero.config import ZeroConfig
+    from lightning_ampzero.zero import comm
+    from lightning_ampzero.zero.apply import apply_zero
+
+    comm.GLOO_REDUCE_SCATTER_MIN_NUMEL = comm.GLOO_ALL_GATHER_MIN_NUMEL = 0  # every collective by the ring
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 24)) for _ in range(3)])
+    apply_zero(model, mesh=init_device_mesh("cpu", (world,)), cfg=ZeroConfig(
+        stage=2, reduce_bucket_size=2000, overlap_comm=overlap), mp_policy=MixedPrecisionPolicy())
+    later = model[1][2].weight  # its group's reduce-scatter is the latest one when block 0's backward starts
+    seen: list[torch.Tensor] = []
+    # A user's hook on the gradient of block 0's output reads block 1's gradient (a norm, a log).
+    def hook_output(module, args, out):  # type: ignore[no-untyped-def]
+        out.register_hook(lambda g: seen.append(later.grad.to_local().detach().clone()))
+
+    model[0].register_forward_hook(hook_output)
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(rank))
+    model(x).pow(2).mean().backward()
+    return {"seen": seen[0], "final": later.grad.to_local().detach().clone()}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_comm_false_lets_code_during_backward_read_another_groups_gradient(overlap):
+    # [Note: reduce-scatters in flight]: with the overlap such a hook sees the ring's output buffer
+    # before the ring has filled it; zero.overlap_comm=False is the way out, and there it sees the
+    # final, reduced gradient.
+    for r in spawn(_read_during_backward, 2, (overlap,), timeout=120):
+        assert torch.equal(r["seen"], r["final"]) is not overlap
+
+
+def test_overlap_comm_false_where_it_cannot_act_says_so():
+    from lightning_ampzero.config import ZeroConfig
+    from lightning_ampzero.zero.apply import overlap_comm_note
+
+    assert overlap_comm_note(ZeroConfig(stage=2, overlap_comm=False), "gloo") is None
+    assert overlap_comm_note(ZeroConfig(stage=3), "nccl") is None  # the default asks for nothing
+    assert "stage 0 is DDP" in overlap_comm_note(ZeroConfig(stage=0, overlap_comm=False), "gloo")
+    assert "CUDA streams" in overlap_comm_note(ZeroConfig(stage=1, overlap_comm=False), "nccl")
+    assert "stage 3 on gloo" in overlap_comm_note(ZeroConfig(stage=3, overlap_comm=False), "gloo")
+    with pytest.raises(ValueError, match="zero.overlap_comm must be true or false"):
+        ZeroConfig(overlap_comm="no")
+
+
+def test_overlap_comm_is_one_setting_in_python_hydra_and_deepspeed_json():
+    import warnings
+
+    from lightning_ampzero.deepspeed import convert_deepspeed_config
+    from lightning_ampzero.strategy import AmpZeroStrategy
+    from lightning_ampzero.train import compose_typed
+
+    assert AmpZeroStrategy(stage=1, overlap_comm=False).config.zero.overlap_comm is False
+    assert compose_typed(["strategy=zero1", "strategy.overlap_comm=false"]).amp_config.zero.overlap_comm is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        imported = convert_deepspeed_config({"zero_optimization": {"stage": 2, "overlap_comm": False}})
+    assert imported.config.zero.overlap_comm is False and not imported.no_effect
+    assert convert_deepspeed_config({"zero_optimization": {"stage": 1}}).config.zero.overlap_comm is True

@@ -508,7 +508,9 @@ def test_cli_prints_overrides_and_yaml_that_composes(tmp_path, capsys):
     assert config_main(["from-deepspeed", str(path)]) == 0
     out = capsys.readouterr()
     assert out.out.startswith("ampzero-train strategy=zero1 precision=16-mixed ")
-    assert "no effect: zero_optimization.overlap_comm" in out.err
+    assert "no effect: steps_per_print" in out.err
+    # Stage 1: overlap_comm=true takes effect and is the default, so neither listed nor written.
+    assert "overlap_comm" not in out.err and "overlap_comm" not in out.out
     assert config_main(["from-deepspeed", str(path), "--yaml", "--name", "ds"]) == 0
     text = capsys.readouterr().out
     assert yaml.safe_load(text)["defaults"] == [{"override /strategy": "zero1"}, {"override /precision": "16-mixed"}]
@@ -608,7 +610,8 @@ def test_a_key_in_the_wrong_section_says_where_it_belongs():
 @pytest.mark.parametrize(
     ("section", "key", "reason"),
     [
-        ({"stage": 2, "overlap_comm": False}, "zero_optimization.overlap_comm", "always overlaps"),
+        ({"stage": 3, "overlap_comm": False}, "zero_optimization.overlap_comm", "at stage 3 FSDP2 overlaps"),
+        ({"stage": 0, "overlap_comm": True}, "zero_optimization.overlap_comm", "stage 0 is DDP"),
         ({"stage": 3, "stage3_max_live_parameters": 0}, "zero_optimization.stage3_max_live_parameters", "units in flight"),
         ({"stage": 2, "stage3_prefetch_bucket_size": 1e6}, "zero_optimization.stage3_prefetch_bucket_size",
          "a stage-3 setting, and the stage is 2"),
@@ -632,3 +635,10 @@ def test_cli_checks_the_batch_sizes_against_the_world_size(tmp_path, capsys):
            " size (2) = 16" in capsys.readouterr().err
     path.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8}))
     assert config_main(["from-deepspeed", str(path), "--world-size", "2"]) == 0
+
+
+def test_a_config_without_a_stage_is_deepspeeds_stage_0():
+    # DeepSpeed's zero_optimization.stage defaults to 0 (no partitioning), with or without the section.
+    assert convert_deepspeed_config({"gradient_clipping": 1.0}).config.zero.stage == 0
+    assert convert_deepspeed_config({"zero_optimization": {"reduce_bucket_size": 1e6}}).config.zero.stage == 0
+    assert convert_deepspeed_config({"zero_optimization": {"stage": 3}}).config.zero.stage == 3

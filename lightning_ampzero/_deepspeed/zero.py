@@ -21,7 +21,7 @@ _ZERO: dict[str, Any] = {
     "cpu_offload": _HANDLED,
     "cpu_offload_params": _HANDLED,
     "cpu_offload_use_pin_memory": _HANDLED,
-    "overlap_comm": _NoEffect(_FSDP + " and always overlaps it with compute"),
+    "overlap_comm": "zero.overlap_comm",  # stages 1-2 (convert_zero: a note at stages 0 and 3)
     "contiguous_gradients": _NoEffect("FSDP2 reduces gradients from contiguous buffers already"),
     "reduce_scatter": _NoEffect("stages 2-3 always reduce-scatter gradients"),
     "allgather_partitions": _NoEffect("parameters are always all-gathered per communication unit"),
@@ -71,10 +71,17 @@ _STAGE3_ONLY = ("stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_p
 
 
 def convert_zero(conv: Any, z: dict[str, Any]) -> None:
+    if "stage" not in z:  # DeepSpeed's default, with or without the section: no ZeRO, plain data parallel
+        conv.set("zero.stage", 0, "zero_optimization.stage (absent: DeepSpeed's default)")
     if not z:
         return
-    conv.walk(z, _ZERO, "zero_optimization")
     stage = z.get("stage", 0)
+    if stage in (0, 3) and z.get("overlap_comm") is not None:
+        z = {k: v for k, v in z.items() if k != "overlap_comm"}
+        conv.no_effect.append(("zero_optimization.overlap_comm", (
+            "stage 0 is DDP, whose all-reduce always overlaps backward" if stage == 0 else
+            "at stage 3 FSDP2 overlaps its collectives on CUDA streams and runs them in order on gloo")))
+    conv.walk(z, _ZERO, "zero_optimization")
     if isinstance(stage, int) and stage < 3:
         for key in _STAGE3_ONLY:
             if key in z and z[key] is not None:

@@ -35,6 +35,7 @@ from lightning_ampzero.zero.comm import (
     install_mixed_wire,
 )
 from lightning_ampzero.zero.buffers import buffer_broadcast_of, install_buffer_broadcast
+from lightning_ampzero.zero.recover import reset_interrupted_step, step_entry
 from lightning_ampzero.zero.units import Unit, plan_units, region
 
 
@@ -209,7 +210,7 @@ def apply_zero(
     groups: list[Unit] = []
     # [Note: reduce-scatters in flight] in comm.py: below stage 3 nothing reads a unit's reduced
     # gradients before backward ends (stage 3's gradient offload reads them at once).
-    overlap = cfg.stage < 3
+    overlap = cfg.stage < 3 and cfg.overlap_comm
     gloo: list[Unit] = []  # groups given the ring collectives
     for group, policy in plan:
         fully_shard(group.target, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, group.numel),
@@ -222,12 +223,12 @@ def apply_zero(
             gloo.append(group)
         groups.append(group)
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)
-    if mesh.ndim == 1 and install_gloo_comms(model, mesh.get_group(), overlap=overlap) and cfg.stage < 3 and gloo:
+    if mesh.ndim == 1 and install_gloo_comms(model, mesh.get_group(), overlap=overlap) and overlap and gloo:
         _prefetch_forward_on_gloo(model, gloo)
     if wire:  # [Note: one group, two wire dtypes] in comm.py; a safe module's submodules are it
         owners = {sub: dtype for m, dtype in wire.items() for sub in m.modules()}
         for target in [g.modules[0] for g in groups] + [model]:
-            install_mixed_wire(target, owners)
+            install_mixed_wire(target, owners, overlap=overlap)
     # [Note: buffer broadcast] in zero/buffers.py: running statistics as DDP keeps them.
     # Every rank of the mesh holds a replica of the buffers (FSDP2 shards parameters only).
     install_buffer_broadcast(model, mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())
@@ -257,6 +258,20 @@ def apply_zero(
     units.sort(key=lambda u: order[id(u.modules[0])])
     root_numel = sum(p.numel() for p in model.parameters()) - sum(u.numel for u in units)
     return units + [Unit([model], [""], root_numel)]
+
+
+def overlap_comm_note(cfg: ZeroConfig, backend: str) -> Optional[str]:
+    """Why ``zero.overlap_comm=False`` does nothing with this stage and backend, or None where it acts."""
+    if cfg.overlap_comm or (cfg.stage in (1, 2) and backend == "gloo"):
+        return None
+    if cfg.stage == 0:
+        why = "stage 0 is DDP, whose bucketed all-reduce always runs beside backward"
+    elif backend != "gloo":
+        why = f"on {backend}, FSDP2 overlaps its collectives on its own CUDA streams"
+    else:
+        why = "stage 3 on gloo runs every collective to the end before going on already"
+    return (f"zero.overlap_comm=False has no effect here: {why}. It acts at stages 1-2 on gloo (CPU);"
+            " drop the setting to silence this warning.")
 
 
 def _prefetch_forward_on_gloo(model: nn.Module, groups: list[Unit]) -> None:
@@ -345,20 +360,29 @@ def register_root_method(module: nn.Module, name: str) -> None:
     buffers = buffer_broadcast_of(module)  # [Note: buffer broadcast]: DDP broadcasts in its forward, that runs the step
 
     def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
-        if buffers is not None:
-            buffers.enter()
-        try:
-            args, kwargs = state._pre_forward(module, args, kwargs)
-            out = method(*args, **kwargs)
-            for group in state._fsdp_param_groups:
-                if group._training_state == TrainingState.IDLE and not group._reshard_after_forward:
-                    group._training_state = TrainingState.FORWARD  # a nested forward already ran
-            return state._post_forward(module, args, out)
-        finally:
+        with step_entry(module):  # [Note: a step interrupted by an exception] in recover.py
             if buffers is not None:
-                buffers.exit()
+                buffers.enter()
+            try:
+                args, kwargs = state._pre_forward(module, args, kwargs)
+                out = method(*args, **kwargs)
+                for group in state._fsdp_param_groups:
+                    if group._training_state == TrainingState.IDLE and not group._reshard_after_forward:
+                        group._training_state = TrainingState.FORWARD  # a nested forward already ran
+                return state._post_forward(module, args, out)
+            finally:
+                if buffers is not None:
+                    buffers.exit()
 
     object.__setattr__(module, name, functools.wraps(method)(wrapped))
+    if not getattr(module, "_ampzero_retry_hook", False):
+        # a retry inside the same step method: reset before its forward, as FSDP2 wants it
+        module.register_forward_pre_hook(_reset_before_retry, prepend=True)
+        object.__setattr__(module, "_ampzero_retry_hook", True)
+
+
+def _reset_before_retry(module: nn.Module, args: object) -> None:
+    reset_interrupted_step(module, in_step=True)
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:

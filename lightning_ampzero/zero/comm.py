@@ -242,9 +242,10 @@ def _ring_all_gather_steps(output: torch.Tensor, input: torch.Tensor, group: dis
 # sees the output buffer while the ring still fills it: not the old gradient, as under DDP, but
 # whatever the buffer holds (a new-user trial found it, issue 16's note). A post-accumulate-grad
 # hook on the group's own parameters is detected and keeps the group blocking; the others cannot
-# be seen from here. A switch to turn the overlap off (``zero.overlap_comm``, DeepSpeed's key) is
-# the next step; until then such code needs stage 3 or a model of one group (the default below
-# ``reduce_bucket_size`` elements), where nothing is left in flight during backward.
+# be seen from here, so such code needs ``zero.overlap_comm=False`` (DeepSpeed's key; every
+# collective then finishes before backward goes on, and the all-gathers are not prefetched), stage
+# 3, or a model of one group (the default below ``reduce_bucket_size`` elements). Tested both ways
+# in tests/test_comm_in_flight.py.
 _in_flight: list[Steps] = []
 _callback_task = -1  # the backward (autograd graph task) whose final callback finishes them
 
@@ -301,14 +302,13 @@ def _launch(steps: Steps, *, later: bool) -> None:
     if not later:
         _run(steps)
         return
+    _in_flight.append(_started(steps))
+
+
+def _started(steps: Steps) -> Steps:
+    """``steps`` with its first exchange posted now; iterating the result goes on from there."""
     first = next(steps, None)
-    if first is not None:
-        _in_flight.append(_resume(first, steps))
-
-
-def _resume(first: list[Any], steps: Steps) -> Steps:
-    yield first
-    yield from steps
+    return iter(()) if first is None else itertools.chain([first], steps)
 
 
 class GlooReduceScatter(_PlainAlloc, _RSBase):
@@ -366,8 +366,7 @@ class GlooAllGather(_PlainAlloc, _AGBase):
             return None  # done: FSDP2 waits on nothing
         # FSDP2 prefetches this group (stages 1-2 on gloo, apply.py) and waits on the Work right
         # before it copies the parameters out: the bytes move in gloo's threads meanwhile.
-        first = next(steps, None)
-        return _StepsWork(_resume(first, steps) if first is not None else iter(()))
+        return _StepsWork(_started(steps))
 
 
 class _StepsWork(dist.Work):
@@ -496,7 +495,7 @@ class MixedWireReduceScatter(_PlainAlloc, _RSBase):
             at[low] += b - a
 
 
-def install_mixed_wire(fsdp_module: Any, low: "dict[Any, torch.dtype]") -> bool:
+def install_mixed_wire(fsdp_module: Any, low: "dict[Any, torch.dtype]", *, overlap: bool) -> bool:
     """Give an FSDP2 group owning parameters of ``low``'s modules (module -> wire dtype) a :class:`MixedWireReduceScatter`.
 
     ``low`` names every module that owns such parameters directly (a safe module's submodules too:
@@ -512,7 +511,7 @@ def install_mixed_wire(fsdp_module: Any, low: "dict[Any, torch.dtype]") -> bool:
     dtypes = {low[m] for m in mine}
     if len(dtypes) != 1:
         raise ValueError(f"one FSDP2 group can send its gradients in one low dtype, got {sorted(map(str, dtypes))}.")
-    fsdp_module.set_custom_reduce_scatter(MixedWireReduceScatter(mine, dtypes.pop()))
+    fsdp_module.set_custom_reduce_scatter(MixedWireReduceScatter(mine, dtypes.pop(), overlap=overlap))
     return True
 
 

@@ -1,0 +1,147 @@
+"""A training step interrupted by an exception that the user's code catches, on 2 ranks.
+
+Manual optimization; at step 2 a hook raises during backward and ``training_step`` catches it and
+skips the batch. The reference run skips the same batch without running it. For each case rank 0
+writes the largest difference between the two runs' final parameters, whether the strategy warned,
+the error message if the run stopped, and (stage 0) the largest difference against Lightning's own
+``ddp`` skipping the batch. [Note: a step interrupted by an exception] in lightning_ampzero/zero/recover.py.
+``--stop0``: stage 0 interrupted, ``--unused0``: stage 0 with a parameter the loss never uses, under
+automatic optimization; both end the run with the strategy's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning.pytorch as pl
+
+from lightning_ampzero.process import run_and_exit
+from lightning_ampzero.strategy import AmpZeroStrategy
+from lightning_ampzero.zero.recover import INTERRUPTED_WARNING
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class Skipping(pl.LightningModule):
+    """Four blocks; step 2 is skipped, either at once ("skip") or by an exception in backward ("raise")."""
+
+    def __init__(self, variant: str, retry: bool) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.variant, self.retry = variant, retry
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
+                                      for _ in range(4)])
+        self.boom = False
+
+    def forward(self, x):
+        h = self.blocks[0](x)
+        if self.boom:
+            def bomb(grad):
+                raise Boom("a hook raised during backward")
+
+            # after blocks 1-3's backward, and their reduce-scatters, before block 0's
+            h.register_hook(bomb)
+        return self.blocks[1:](h)
+
+    def training_step(self, batch, i):
+        opt = self.optimizers()
+        opt.zero_grad()
+        if i == 2 and self.variant == "skip":
+            return
+        self.boom = i == 2 and self.variant == "raise"
+        x = batch[0] * 0.5 if i == 2 and self.variant == "half" else batch[0]
+        try:
+            self.manual_backward(self(x).pow(2).mean())
+        except Boom:
+            self.boom = False
+            if not self.retry:
+                return
+            # the user's retry, in the same training_step, on a half of the input
+            opt.zero_grad()
+            self.manual_backward(self(batch[0] * 0.5).pow(2).mean())
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class Unused(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def training_step(self, batch, i):
+        return self.used(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(strategy, variant: str, retry: bool = False) -> tuple[dict, bool]:
+    pl.seed_everything(0, verbose=False)
+    model = Skipping(variant, retry)
+    data = DataLoader(TensorDataset(torch.randn(64, 16, generator=torch.Generator().manual_seed(1))), batch_size=4)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=6, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, data)
+    warned = any(str(w.message) == INTERRUPTED_WARNING for w in caught)
+    params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+              for k, v in model.state_dict().items()}
+    return params, warned
+
+
+def _diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out")
+    p.add_argument("--stop0", action="store_true", help="stage 0, interrupted: the run ends with the error")
+    p.add_argument("--unused0", action="store_true", help="stage 0, an unused parameter: the run ends with the error")
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.stop0:
+        _fit(AmpZeroStrategy(stage=0), "raise")
+        return
+    if args.unused0:
+        model = Unused()
+        data = DataLoader(TensorDataset(torch.randn(32, 16)), batch_size=4)
+        pl.Trainer(accelerator="cpu", devices=2, strategy=AmpZeroStrategy(stage=0), max_steps=4, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model, data)
+        return
+    results: dict = {}
+    # (stage, reduce_bucket_size): several groups, and the whole model in the root's group
+    for stage, bucket in ((1, 2e3), (2, 5e8), (3, 2e3), (3, 5e8)):
+        make = lambda: AmpZeroStrategy(stage=stage, reduce_bucket_size=bucket)  # noqa: E731
+        skipped, false_alarm = _fit(make(), "skip")
+        raised, warned = _fit(make(), "raise")
+        results[f"{stage}/{bucket:g}"] = {"diff": _diff(skipped, raised), "warned": warned, "false_alarm": false_alarm}
+    # a retry inside the same training_step trains as the same step without the exception
+    for bucket in (2e3, 5e8):
+        make = lambda: AmpZeroStrategy(stage=2, reduce_bucket_size=bucket)  # noqa: E731
+        retried, warned = _fit(make(), "raise", retry=True)
+        halved, _ = _fit(make(), "half")
+        results[f"retry/{bucket:g}"] = {"warned": warned, "diff": _diff(retried, halved)}
+    # stage 0 (DDP): manual optimization as Lightning's ddp runs it
+    ours, _ = _fit(AmpZeroStrategy(stage=0), "skip")
+    lightning_ddp, _ = _fit("ddp", "skip")
+    results["0"] = {"diff_to_lightning_ddp": _diff(ours, lightning_ddp)}
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    run_and_exit(main)  # see [Note: exit without finalization] in lightning_ampzero/process.py
