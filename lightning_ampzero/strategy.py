@@ -353,6 +353,7 @@ class AmpZeroStrategy(ParallelStrategy):
         if note is not None:
             rank_zero_warn(note)
         module = self.model
+        self._ddp_interrupted = False  # a new fit wraps a new DDP
         from torch.distributed.fsdp import FSDPModule
 
         if isinstance(module, FSDPModule):
