@@ -81,7 +81,8 @@ from lightning_ampzero.torch_compile import apply_compile
 from lightning_ampzero.hf import load_pending_pretrained
 from lightning_ampzero.sigterm import AsyncSigtermBroadcast
 from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
-from lightning_ampzero.zero.apply import apply_zero, fsdp_modules, no_sync, overlap_comm_note, register_root_method
+from lightning_ampzero.zero.apply import (after_manual_step, apply_zero, fsdp_modules, no_sync, overlap_comm_note,
+                                         prepare_manual_backward, register_root_method)
 from lightning_ampzero.zero.init import ZeroInit, take_local_shards
 from lightning_ampzero.zero.materialize import built_outside_note, materialize_meta_, move_real_tensors_
 
@@ -477,11 +478,18 @@ class AmpZeroStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         # [Note: a step interrupted by an exception] in zero/recover.py
         self._check_ddp_not_interrupted()
+        # [Note: backward inside a step method] in zero/apply.py (manual optimization)
+        prepare_manual_backward(self.model, closure_loss)
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         except BaseException:
             self._ddp_interrupted = self.stage == 0
             raise
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        after_manual_step(self.model)  # [Note: backward inside a step method] in zero/apply.py
+        return result
 
     def _check_ddp_not_interrupted(self) -> None:
         if self._ddp_interrupted:

@@ -35,7 +35,7 @@ from lightning_ampzero.zero.comm import (
     install_mixed_wire,
 )
 from lightning_ampzero.zero.buffers import buffer_broadcast_of, install_buffer_broadcast
-from lightning_ampzero.zero.recover import reset_interrupted_step, step_entry
+from lightning_ampzero.zero.recover import in_step_method, reset_interrupted_step, step_entry
 from lightning_ampzero.zero.units import Unit, plan_units, region
 
 
@@ -375,14 +375,48 @@ def register_root_method(module: nn.Module, name: str) -> None:
                     buffers.exit()
 
     object.__setattr__(module, name, functools.wraps(method)(wrapped))
-    if not getattr(module, "_ampzero_retry_hook", False):
-        # a retry inside the same step method: reset before its forward, as FSDP2 wants it
-        module.register_forward_pre_hook(_reset_before_retry, prepend=True)
-        object.__setattr__(module, "_ampzero_retry_hook", True)
+    if not getattr(module, "_ampzero_in_step_hooks", False):
+        # [Note: backward inside a step method]: the root, and what a step method calls of it
+        hook = functools.partial(_before_forward_in_step, module)
+        for target in (module, *module.children()):
+            target.register_forward_pre_hook(hook, prepend=True)
+        object.__setattr__(module, "_ampzero_in_step_hooks", True)
 
 
-def _reset_before_retry(module: nn.Module, args: object) -> None:
-    reset_interrupted_step(module, in_step=True)
+# [Note: backward inside a step method]
+# Under manual optimization the backward (and the optimizer step) runs inside ``training_step``,
+# that is inside the root's forward as :func:`register_root_method` makes it, and the step method
+# usually calls a child (``self.model(input_ids=...)``), whose forward FSDP2's root never sees.
+# So FSDP2 registered no hook on the loss: the backward left the root group's gradients on its
+# gathered parameters, never reduced, and ``opt.step()`` found no gradient on the shards. At stages
+# 1-2 with a model of one group (the default) every step was lost, silently (a new-user trial: the
+# parameters after a step equal to the initial ones, bit for bit). Three things make it FSDP2's
+# usual order again: :func:`prepare_manual_backward` hooks the loss as the root's forward would
+# (FSDP2 then queues its end-of-backward callback, which reduces the root group and reshards it);
+# :func:`after_manual_step` frees the root group's gathered copy after an optimizer step (it holds
+# the old values); and a forward inside the step method, of the root or of a child, gathers the
+# root group again when it is not (:func:`_before_forward_in_step`), so a GAN's second forward
+# sees the updated parameters. Before that forward it also resets a step an exception interrupted
+# ([Note: a step interrupted by an exception] in recover.py: a retry in the same step method).
+def _before_forward_in_step(root: FSDPModule, module: nn.Module, args: object) -> None:
+    if reset_interrupted_step(root, in_step=True) or in_step_method():
+        group = root._get_fsdp_state()._fsdp_param_group
+        if group is not None and not group.is_unsharded and torch._C._current_graph_task_id() == -1:
+            root.unshard()
+
+
+def prepare_manual_backward(root: nn.Module, loss: object) -> None:
+    """Before a backward inside a step method: FSDP2's root hooks ``loss`` (the Note above)."""
+    if isinstance(root, FSDPModule) and in_step_method():
+        root._get_fsdp_state()._register_pre_backward_hook(loss)
+
+
+def after_manual_step(root: nn.Module) -> None:
+    """After an optimizer step inside a step method: the root group's gathered copy is stale (the Note above)."""
+    if isinstance(root, FSDPModule) and in_step_method():
+        group = root._get_fsdp_state()._fsdp_param_group
+        if group is not None and group.is_unsharded:
+            root.reshard()
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:

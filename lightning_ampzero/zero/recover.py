@@ -94,6 +94,11 @@ def reset_interrupted_step(model: nn.Module, *, in_step: bool = False) -> bool:
 _depth = 0  # step methods running (validation_step may call training_step)
 
 
+def in_step_method() -> bool:
+    """Whether a step method of a root (``training_step``, ...) is running."""
+    return _depth > 0
+
+
 @contextmanager
 def step_entry(model: nn.Module) -> Iterator[None]:
     """Around a step method of the root ``model``: the outermost one first resets an interrupted step."""

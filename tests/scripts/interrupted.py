@@ -35,23 +35,34 @@ class Boom(RuntimeError):
 class Skipping(pl.LightningModule):
     """Four blocks; step 2 is skipped, either at once ("skip") or by an exception in backward ("raise")."""
 
-    def __init__(self, variant: str, retry: bool) -> None:
+    def __init__(self, variant: str, retry: bool, child: bool) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.variant, self.retry = variant, retry
+        self.variant, self.retry, self.child = variant, retry, child
         self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
                                       for _ in range(4)])
         self.boom = False
 
     def forward(self, x):
-        h = self.blocks[0](x)
+        return self.run_blocks(x)
+
+    def run_blocks(self, x):
+        handle = None
         if self.boom:
             def bomb(grad):
                 raise Boom("a hook raised during backward")
 
             # after blocks 1-3's backward, and their reduce-scatters, before block 0's
-            h.register_hook(bomb)
-        return self.blocks[1:](h)
+            handle = self.blocks[0].register_forward_hook(lambda m, i, out: out.register_hook(bomb) and None)
+        try:
+            return self.blocks(x)  # a child, called as a Hugging Face wrapper calls self.model(...)
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    def model_output(self, x):
+        # child: the step method calls the child directly, never this module's forward
+        return self.run_blocks(x) if self.child else self(x)
 
     def training_step(self, batch, i):
         opt = self.optimizers()
@@ -61,14 +72,14 @@ class Skipping(pl.LightningModule):
         self.boom = i == 2 and self.variant == "raise"
         x = batch[0] * 0.5 if i == 2 and self.variant == "half" else batch[0]
         try:
-            self.manual_backward(self(x).pow(2).mean())
+            self.manual_backward(self.model_output(x).pow(2).mean())
         except Boom:
             self.boom = False
             if not self.retry:
                 return
             # the user's retry, in the same training_step, on a half of the input
             opt.zero_grad()
-            self.manual_backward(self(batch[0] * 0.5).pow(2).mean())
+            self.manual_backward(self.model_output(batch[0] * 0.5).pow(2).mean())
         opt.step()
 
     def configure_optimizers(self):
@@ -87,9 +98,9 @@ class Unused(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(strategy, variant: str, retry: bool = False) -> tuple[dict, bool]:
+def _fit(strategy, variant: str, retry: bool = False, child: bool = False) -> tuple[dict, bool]:
     pl.seed_everything(0, verbose=False)
-    model = Skipping(variant, retry)
+    model = Skipping(variant, retry, child)
     data = DataLoader(TensorDataset(torch.randn(64, 16, generator=torch.Generator().manual_seed(1))), batch_size=4)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=6, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -139,6 +150,15 @@ def main() -> None:
     ours, _ = _fit(AmpZeroStrategy(stage=0), "skip")
     lightning_ddp, _ = _fit("ddp", "skip")
     results["0"] = {"diff_to_lightning_ddp": _diff(ours, lightning_ddp)}
+    # [Note: backward inside a step method]: training_step calls a child, as with self.model(...)
+    reference, _ = _fit("ddp", "plain", child=True)
+    for stage, bucket in ((1, 5e8), (2, 5e8), (2, 2e3), (3, 5e8)):
+        ours, _ = _fit(AmpZeroStrategy(stage=stage, reduce_bucket_size=bucket), "plain", child=True)
+        results[f"child/{stage}/{bucket:g}"] = {"diff_to_lightning_ddp": _diff(ours, reference)}
+    make = lambda: AmpZeroStrategy(stage=2)  # noqa: E731
+    retried, warned = _fit(make(), "raise", retry=True, child=True)
+    halved, _ = _fit(make(), "half", child=True)
+    results["child/retry"] = {"warned": warned, "diff": _diff(retried, halved)}
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=1))
 
