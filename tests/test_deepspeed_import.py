@@ -642,3 +642,9 @@ def test_a_config_without_a_stage_is_deepspeeds_stage_0():
     assert convert_deepspeed_config({"gradient_clipping": 1.0}).config.zero.stage == 0
     assert convert_deepspeed_config({"zero_optimization": {"reduce_bucket_size": 1e6}}).config.zero.stage == 0
     assert convert_deepspeed_config({"zero_optimization": {"stage": 3}}).config.zero.stage == 3
+    # said, as AmpZeroStrategy's own default is stage 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        convert_deepspeed_config({"gradient_clipping": 1.0})
+    assert any("zero_optimization.stage" in str(w.message) and "absent: stage 0" in str(w.message)
+               for w in caught if issubclass(w.category, DeepSpeedConfigWarning))
