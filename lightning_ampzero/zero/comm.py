@@ -238,9 +238,11 @@ def _ring_all_gather_steps(output: torch.Tensor, input: torch.Tensor, group: dis
 # its waits (``Steps``), so the blocking and the in-flight call are one code path.
 # The contract is DDP's and DeepSpeed's (``overlap_comm``): gradients are final when
 # ``backward()`` returns. Code that runs *during* backward and reads or writes the ``.grad`` of
-# another group, one already reduced (a tensor hook on an activation, a module backward hook),
-# sees the output buffer while the ring still fills it: not the old gradient, as under DDP, but
-# whatever the buffer holds (a new-user trial found it, issue 16's note). A post-accumulate-grad
+# the group reduced last (a tensor hook on an activation, a module backward hook), whose
+# reduce-scatter is still in flight until the next group's starts, sees the output buffer while
+# the ring still fills it: not the old gradient, as under DDP, but whatever the buffer holds (a
+# new-user trial found it, issue 16's note; a second trial read values up to 7.7e11 there, and
+# final ones in the groups reduced before it). A post-accumulate-grad
 # hook on the group's own parameters is detected and keeps the group blocking; the others cannot
 # be seen from here, so such code needs ``zero.overlap_comm=False`` (DeepSpeed's key; every
 # collective then finishes before backward goes on, and the all-gathers are not prefetched), stage
