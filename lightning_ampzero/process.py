@@ -155,4 +155,3 @@ def exit_status(code: object) -> int:
         return code
     print(code, file=sys.stderr)
     return 1
-

@@ -60,9 +60,9 @@ def _idle(model: FSDPModule, *, in_step: bool) -> bool:
         return True
     if ctx.iter_forward_root is not None:
         return False
-    states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
-    return all(s._training_state == TrainingState.IDLE for s in states) and all(
-        g._training_state == TrainingState.IDLE for s in states for g in s._fsdp_param_groups)
+    # every FSDP2 state under the root (filled by FSDP2's lazy init; empty before the first forward)
+    return all(s._training_state == TrainingState.IDLE for s in ctx.all_states) and all(
+        g._training_state == TrainingState.IDLE for s in ctx.all_states for g in s._fsdp_param_groups)
 
 
 def reset_interrupted_step(model: nn.Module, *, in_step: bool = False) -> bool:
@@ -79,13 +79,12 @@ def reset_interrupted_step(model: nn.Module, *, in_step: bool = False) -> bool:
     model.reset_iter_state()
     # Torch's reset leaves the gradients autograd had put on the gathered parameters before the
     # exception (their group not reduced yet); the next backward would add into them.
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            for group in m._get_fsdp_state()._fsdp_param_groups:
-                for fsdp_param in group.fsdp_params:
-                    fsdp_param.unsharded_accumulated_grad = None
-                    if getattr(fsdp_param, "_unsharded_param", None) is not None:
-                        fsdp_param._unsharded_param.grad = None
+    for state in model._get_fsdp_state()._state_ctx.all_states:
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                if getattr(fsdp_param, "_unsharded_param", None) is not None:
+                    fsdp_param._unsharded_param.grad = None
     if not dist.is_initialized() or dist.get_rank() == 0:  # every rank resets; one says so
         warnings.warn(INTERRUPTED_WARNING, stacklevel=3)
     return True
