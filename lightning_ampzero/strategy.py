@@ -89,6 +89,19 @@ from lightning_ampzero.zero.materialize import built_outside_note, materialize_m
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
+#: A backward that met parameters an earlier backward of the same step had freed ([Note: one
+#: network per unit] in zero/units.py names the case the unit plan prevents).
+FREED_IN_BACKWARD = (
+    "This backward needs parameters that FSDP2 freed at the end of an earlier backward in the same step"
+    " (torch's message is above): a graph built before another backward and optimizer step, going through"
+    " an FSDP2 unit that the other backward also used, as a GAN's generator step does through a generator"
+    " forward made before the discriminator's step, with both networks' layers in one unit. Keep each"
+    " network in a child module of its own (self.generator, self.discriminator: units never span two),"
+    " run the forward again after the other step, or make the model one unit (stages 1-2:"
+    " zero.reduce_bucket_size above its parameter count)."
+)
+
+
 def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroConfig, Any]:
     """The AmpZeroConfig for a strategy: from ours, a DeepSpeed config (path or dict), or defaults; plus overrides.
 
@@ -482,6 +495,11 @@ class AmpZeroStrategy(ParallelStrategy):
         prepare_manual_backward(self.model, closure_loss)
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except RuntimeError as error:
+            self._ddp_interrupted = self.stage == 0
+            if self.stage == 0 or "storage of size 0" not in str(error):
+                raise
+            raise RuntimeError(FREED_IN_BACKWARD) from error
         except BaseException:
             self._ddp_interrupted = self.stage == 0
             raise

@@ -11,7 +11,7 @@ from lightning_ampzero.memory import zero_formula
 from lightning_ampzero.models.gpt import GPT, GPTConfig
 from lightning_ampzero.zero.clip import clip_grad_norm_, clip_grad_value_
 from lightning_ampzero.zero.materialize import built_outside_note, materialize_meta_
-from lightning_ampzero.zero.units import find_blocks, group_units, leftover_modules
+from lightning_ampzero.zero.units import find_blocks, group_units, leftover_modules, plan_units
 
 
 def test_auto_wrap_finds_transformer_blocks_not_their_linears():
@@ -32,6 +32,30 @@ def test_bucketing_groups_consecutive_blocks_up_to_the_bucket():
     assert [u.names for u in group_units(blocks, 220)] == [["b0", "b1"], ["b2", "b3"], ["b4"]]
     assert [u.names for u in group_units(blocks, 100)] == [["b0"], ["b1"], ["b2"], ["b3"], ["b4"]]
     assert [u.numel for u in group_units(blocks, 10**9)] == [550]
+
+
+def test_a_unit_never_spans_two_networks_of_the_root():
+    # [Note: one network per unit] in zero/units.py: a GAN's generator and discriminator.
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gen = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2))
+            self.disc = nn.Sequential(nn.Linear(256, 32), nn.Tanh(), nn.Linear(32, 1))
+            self.scale = nn.Linear(1, 1)  # a layer held by the root itself: no network
+
+    pair = Pair()
+    names = [u.names for u in plan_units(pair, (), 10**9, 3)]
+    assert ["gen.ln_f", "gen.head"] in names  # before: one unit with disc.0 and disc.2
+    assert ["disc.0", "disc.2", "scale"] in names  # a root's own layer still joins its neighbours
+    assert not any({n.split(".")[0] for n in u} >= {"gen", "disc"} for u in names)
+    # the blocks of two networks are not packed together either, whatever the bucket
+    two = nn.Module()
+    two.a, two.b = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2)), GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2))
+    blocks = [u.names for u in plan_units(two, (), 10**9, 3) if u.names[0].split(".")[1] == "blocks"]
+    assert blocks == [["a.blocks.0", "a.blocks.1"], ["b.blocks.0", "b.blocks.1"]]
+    # a model written directly in the root keeps its runs as before
+    gpt = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2))
+    assert [u.names for u in plan_units(gpt, (), 10**9, 3)] == [["blocks.0", "blocks.1"], ["wte", "wpe"], ["ln_f", "head"]]
 
 
 @pytest.mark.parametrize("stage,expected", [

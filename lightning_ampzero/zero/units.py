@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 from torch import nn
 
@@ -76,6 +77,30 @@ def find_blocks(root: nn.Module, wrap_modules: tuple[str, ...]) -> list[tuple[st
     return blocks
 
 
+def network_of(root: nn.Module) -> "Callable[[str], Optional[str]]":
+    """``name -> the network the module of that name belongs to``: a child of the root with layers of its own.
+
+    [Note: one network per unit] A LightningModule often holds several networks as its children
+    (a GAN's generator and discriminator, a teacher and a student) and runs them in separate
+    forwards of one step. An FSDP2 group that spans two of them is used out of order: it runs
+    its post-forward only once every one of its modules has run (torch 2.13
+    ``_register_group_forward_hooks``), and it frees its parameters at the first of its
+    post-backwards, which a later forward of one network registers on that network's inputs.
+    A GAN that runs the generator once, then the discriminator's step, then the generator's
+    step through the same generator output, had the generator's output head and the
+    discriminator in one unit (the modules after the last block): the generator's step freed the
+    head in the middle of its backward, and the backward stopped with torch's ``setStorage ...
+    storage of size 0`` (a new-user trial, issue 16's note). So a unit never packs modules of
+    two such networks. A child that is itself a layer (a ``head = nn.Linear`` on the
+    LightningModule, the layers of a model written directly in it) belongs to no network and
+    still shares a unit with its neighbours; modules that share a parameter are one unit all the
+    same (:func:`_merge_shared`).
+    """
+    networks = {name for name, child in root.named_children()
+                if any(any(True for _ in m.parameters(recurse=False)) for m in child.modules() if m is not child)}
+    return lambda name: head if (head := name.split(".", 1)[0]) in networks else None
+
+
 def leftover_modules(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
     """Modules holding parameters outside every block (embeddings, final norm, head), in runs.
 
@@ -103,8 +128,18 @@ def leftover_modules(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> li
     """
     in_block = {id(m) for _, b in blocks for m in b.modules()}
     block_ids = {id(b) for _, b in blocks}
+    network = network_of(root)
     runs: list[list[tuple[str, nn.Module]]] = [[]]
     covered: set[int] = set()  # below a module that stands for its subtree
+
+    def join(name: str, module: nn.Module) -> None:
+        # [Note: one network per unit]: a run ends where another network's modules begin
+        mine = network(name)
+        theirs = {network(n) for n, _ in runs[-1]} - {None}
+        if mine is not None and theirs and mine not in theirs:
+            runs.append([])
+        runs[-1].append((name, module))
+
     for name, module in root.named_modules():
         if module is root or id(module) in covered:
             continue
@@ -115,22 +150,27 @@ def leftover_modules(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> li
         elif id(module) not in in_block and any(True for _ in module.parameters(recurse=False)):
             below = [m for m in module.modules() if m is not module]
             if not any(any(True for _ in m.parameters(recurse=False)) for m in below):
-                runs[-1].append((name, module))  # a leaf as far as parameters go
+                join(name, module)  # a leaf as far as parameters go
             elif not any(id(m) in block_ids for m in below):
-                runs[-1].append((name, module))
+                join(name, module)
                 covered.update(id(m) for m in below)
             else:
                 runs.extend([[(name, module)], []])
     return [r for r in runs if r]
 
 
-def group_units(blocks: list[tuple[str, nn.Module]], unit_size: int) -> list[Unit]:
-    """Pack consecutive blocks into units of at most ``unit_size`` elements (a bigger block stands alone)."""
+def group_units(blocks: list[tuple[str, nn.Module]], unit_size: int,
+                network: "Optional[Callable[[str], Optional[str]]]" = None) -> list[Unit]:
+    """Pack consecutive blocks into units of at most ``unit_size`` elements (a bigger block stands alone).
+
+    ``network`` (:func:`network_of`): blocks of two networks never share a unit ([Note: one network per unit]).
+    """
     units: list[Unit] = []
     for name, module in blocks:
         n = _param_numel(module)
         last = units[-1] if units else None
-        if last is not None and last.numel + n <= unit_size:
+        same = network is None or last is None or network(last.names[-1]) == network(name)
+        if last is not None and same and last.numel + n <= unit_size:
             last.modules.append(module)
             last.names.append(name)
             last.numel += n
@@ -164,7 +204,7 @@ def plan_units(root: nn.Module, wrap_modules: tuple[str, ...], unit_size: int, s
     if stage < 3 and one_unit_below_stage3(_param_numel(root), unit_size):
         return []
     blocks = find_blocks(root, wrap_modules)
-    units = group_units(blocks, unit_size)
+    units = group_units(blocks, unit_size, network_of(root))
     for run in leftover_modules(root, blocks):
         units.extend(group_units(run, unit_size))
     return _bottom_up(_merge_shared(root, units, unit_size, stage))

@@ -6,7 +6,10 @@ writes the largest difference between the two runs' final parameters, whether th
 the error message if the run stopped, and (stage 0) the largest difference against Lightning's own
 ``ddp`` skipping the batch. [Note: a step interrupted by an exception] in lightning_ampzero/zero/recover.py.
 ``--stop0``: stage 0 interrupted, ``--unused0``: stage 0 with a parameter the loss never uses, under
-automatic optimization; both end the run with the strategy's error.
+automatic optimization; both end the run with the strategy's error. ``--gan``: a GAN whose generator
+step goes back through a forward made before the discriminator's step, against Lightning's ``ddp``;
+``--gan-flat``: the same GAN with layers of both networks held by the LightningModule itself, in one
+unit, which ends the run with the strategy's error.
 """
 
 from __future__ import annotations
@@ -98,9 +101,55 @@ class Unused(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Gan(pl.LightningModule):
+    """A GAN stepped as PyTorch's DCGAN example steps it: one generator forward, the discriminator's
+    step on the detached fake, then the generator's step through the same fake ([Note: one network
+    per unit] in lightning_ampzero/zero/units.py). The generator's head and the discriminator come
+    after the last block, so the old plan put them in one unit."""
+
+    def __init__(self, flat: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.flat = flat
+        self.gen = nn.Sequential(nn.Linear(16, 32), *[Block() for _ in range(3)], nn.Linear(32, 16))
+        self.disc = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+        if flat:  # the generator's head and the discriminator's first layer, held by the module itself
+            self.head, self.d_in = self.gen[-1], self.disc[0]
+            self.gen, self.disc = self.gen[:-1], nn.Sequential(nn.Tanh(), self.disc[2])
+
+    def training_step(self, batch, i):
+        opt_g, opt_d = self.optimizers()
+        if self.flat:
+            gen, disc = (lambda x: self.head(self.gen(x))), (lambda x: self.disc(self.d_in(x)))
+        else:
+            gen, disc = self.gen, self.disc
+        fake = gen(batch[0])
+        opt_d.zero_grad()
+        self.manual_backward(disc(fake.detach()).mean() - disc(batch[0].flip(0)).mean())
+        opt_d.step()
+        opt_g.zero_grad()
+        self.manual_backward(-disc(fake).mean())
+        opt_g.step()
+
+    def configure_optimizers(self):
+        g, d = list(self.gen.parameters()), list(self.disc.parameters())
+        if self.flat:
+            g, d = g + list(self.head.parameters()), d + list(self.d_in.parameters())
+        return torch.optim.Adam(g, lr=1e-2), torch.optim.Adam(d, lr=1e-2)
+
+
 def _fit(strategy, variant: str, retry: bool = False, child: bool = False) -> tuple[dict, bool]:
     pl.seed_everything(0, verbose=False)
-    model = Skipping(variant, retry, child)
+    model = Gan(variant == "gan_flat") if variant.startswith("gan") else Skipping(variant, retry, child)
     data = DataLoader(TensorDataset(torch.randn(64, 16, generator=torch.Generator().manual_seed(1))), batch_size=4)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=6, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -122,8 +171,22 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--stop0", action="store_true", help="stage 0, interrupted: the run ends with the error")
     p.add_argument("--unused0", action="store_true", help="stage 0, an unused parameter: the run ends with the error")
+    p.add_argument("--gan", action="store_true", help="only the GAN: stages 1-3 against Lightning's ddp")
+    p.add_argument("--gan-flat", action="store_true", help="the GAN's two networks' layers in one unit: the error")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
+    if args.gan_flat:
+        _fit(AmpZeroStrategy(stage=2, reduce_bucket_size=2e3), "gan_flat")
+        return
+    if args.gan:
+        reference, _ = _fit("ddp_find_unused_parameters_true", "gan")
+        gan = {}
+        for stage, bucket in ((1, 2e3), (2, 2e3), (3, 2e3), (2, 5e8)):
+            ours, _ = _fit(AmpZeroStrategy(stage=stage, reduce_bucket_size=bucket), "gan")
+            gan[f"{stage}/{bucket:g}"] = _diff(ours, reference)
+        if dist.get_rank() == 0:
+            Path(args.out).write_text(json.dumps(gan, indent=1))
+        return
     if args.stop0:
         _fit(AmpZeroStrategy(stage=0), "raise")
         return
