@@ -37,6 +37,13 @@ class ZeroConfig(FromDict, section="zero"):
         param_persistence_threshold: stage 3: units with fewer elements than this stay gathered from
             their forward to the end of their backward (DeepSpeed's persistent parameters): small
             units cost more in latency than they save in memory.
+        max_reuse_distance: stage 3: a unit stays gathered from its forward to its backward, instead of
+            being freed and gathered again, when the units gathered in between (the later units'
+            forwards, and the backwards of those not kept) hold fewer elements than this
+            (DeepSpeed's ``stage3_max_reuse_distance``). It saves the backward all-gather of the
+            last units of the forward, for their memory. 0 (the default) frees every unit after its
+            forward; DeepSpeed's default, 1e9, keeps every unit of a model under about 0.5B
+            parameters gathered through the step, as stage 2 holds them.
         hpz_partition_size: stage 3, ZeRO++ hpZ: after forward, keep a secondary copy of the
             parameters sharded over groups of this many ranks, so backward all-gathers stay inside
             the group (a node). 1 disables it. Must divide the world size.
@@ -64,6 +71,7 @@ class ZeroConfig(FromDict, section="zero"):
     allgather_bucket_size: float = 5e8
     prefetch_bucket_size: float = 5e7
     param_persistence_threshold: float = 1e5
+    max_reuse_distance: float = 0
     hpz_partition_size: int = 1
     wrap_modules: tuple[str, ...] = ()
     overlap_comm: bool = True
@@ -79,7 +87,7 @@ class ZeroConfig(FromDict, section="zero"):
                 " states), 2 (+ gradients), 3 (+ parameters)."
             )
         for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
-                     "param_persistence_threshold"):
+                     "param_persistence_threshold", "max_reuse_distance"):
             check_number(owner, name, getattr(self, name), minimum=0, integral=True)
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
             if getattr(self, name) < 1:

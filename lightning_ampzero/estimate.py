@@ -316,16 +316,25 @@ def _stage3_gathered(size: ModelSize, zero: ZeroConfig) -> int:
 
     The unit in use plus the units prefetched after it (FSDP2 prefetches at least one; with
     ``prefetch_bucket_size`` as many following units as fit in it, see zero/apply.py), plus the
-    units kept gathered below ``param_persistence_threshold`` and the root unit's own parameters.
+    units kept gathered below ``param_persistence_threshold`` or for reuse (``max_reuse_distance``)
+    and the root unit's own parameters.
     """
+    from lightning_ampzero.zero.units import kept_for_reuse
+
     budget = int(zero.prefetch_bucket_size)
-    if not size.units:
+    units = size.units
+    if not units:
         unit = size.largest_unit
-        ahead = max(unit, (budget // unit) * unit)
-        return min(size.numel, unit + ahead)
+        if zero.max_reuse_distance <= 0:
+            ahead = max(unit, (budget // unit) * unit)
+            return min(size.numel, unit + ahead)
+        units = (unit,) * max(1, size.numel // unit)  # every unit that large, as above
     threshold = zero.param_persistence_threshold
-    persistent = sum(u for u in size.units if u < threshold) + size.root
-    sharded = [u if u >= threshold else 0 for u in size.units]
+    # [Note: reuse distance] in zero/units.py: the kept units are all gathered when backward starts
+    # (an upper bound: the first of them to run backward is freed before the rest is gathered again)
+    kept = kept_for_reuse(units, zero.max_reuse_distance, threshold)
+    persistent = sum(u for u, k in zip(units, kept) if u < threshold or k) + size.root
+    sharded = [u if u >= threshold and not k else 0 for u, k in zip(units, kept)]
     peak = 0
     for order in (sharded, sharded[::-1]):  # forward prefetch, then backward prefetch
         for i, u in enumerate(order):
@@ -499,7 +508,7 @@ def nvme_traffic(size: ModelSize, offload: str, n_ranks: int, zero: Optional[Zer
     Optimizer on NVMe: every tile's master and moments are read and written once, 12Ψ/N each way.
     Parameters on NVMe (stage 3): each group's shard is read for each all-gather, twice per step
     (forward, and the re-gather of backward) or once for groups kept gathered below
-    ``param_persistence_threshold``; the root is resharded after forward at stage 3 (zero/apply.py),
+    ``param_persistence_threshold`` or for reuse (``max_reuse_distance``); the root is resharded after forward at stage 3 (zero/apply.py),
     so it is read twice. The optimizer writes the updated shard once: 4Ψ/N. With k micro-batches
     the parameter reads repeat k times. ``grads`` (gradient shards swapped, offload/grads.py): each
     unit writes its reduced shard after its reduce-scatter and the step reads it, 4Ψ/N each way
@@ -513,8 +522,12 @@ def nvme_traffic(size: ModelSize, offload: str, n_ranks: int, zero: Optional[Zer
     zero = zero or ZeroConfig()
     read = written = (12 + (FP32 if grads else 0)) * shard
     if kind == "params+optimizer":
+        from lightning_ampzero.zero.units import kept_for_reuse
+
         units = list(size.units) or [size.largest_unit] * max(1, size.numel // max(1, size.largest_unit))
-        gathers = sum((1 if u < zero.param_persistence_threshold else 2) * -(-u // n_ranks) for u in units if u)
+        kept = kept_for_reuse(units, zero.max_reuse_distance, zero.param_persistence_threshold)
+        gathers = sum((1 if u < zero.param_persistence_threshold or k else 2) * -(-u // n_ranks)
+                      for u, k in zip(units, kept) if u)
         if size.units and size.root:
             gathers += 2 * -(-size.root // n_ranks)
         read += FP32 * gathers

@@ -86,6 +86,7 @@ def test_zero3_cpu_offload():
     r = _convert(CONFIGS / "zero3_cpu_offload.json")
     z = r.config.zero
     assert (z.stage, z.reduce_bucket_size, z.prefetch_bucket_size, z.param_persistence_threshold) == (3, 1e6, 1e6, 1e4)
+    assert z.max_reuse_distance == 1e9  # stage3_max_reuse_distance ([Note: reuse distance] in zero/units.py)
     assert r.trainer["accumulate_grad_batches"] == 2
     assert r.scheduler.type == "WarmupLR" and r.scheduler.total_num_steps is None
     assert r.config.offload == OffloadConfig(offload_optimizer="cpu", offload_param="cpu", pin_memory=True,
@@ -97,7 +98,8 @@ def test_zero3_cpu_offload():
 
 def test_zero3_infinity_auto_values_take_defaults():
     r = _convert(CONFIGS / "zero3_infinity_nvme_auto.json")
-    assert r.config.zero == ZeroConfig(stage=3)  # every size was "auto"
+    # every size was "auto"; the reuse distance is the config's own 1e9
+    assert r.config.zero == ZeroConfig(stage=3, max_reuse_distance=1e9)
     assert r.config.precision.precision is None  # fp16/bf16 "auto": the Trainer decides
     assert r.trainer == {} and r.micro_batch_size is None
     for key in ("gradient_accumulation_steps", "zero_optimization.reduce_bucket_size", "optimizer.params.lr",
@@ -617,6 +619,8 @@ def test_a_key_in_the_wrong_section_says_where_it_belongs():
          "a stage-3 setting, and the stage is 2"),
         ({"stage": 1, "stage3_param_persistence_threshold": 1e4}, "zero_optimization.stage3_param_persistence_threshold",
          "a stage-3 setting, and the stage is 1"),
+        ({"stage": 2, "stage3_max_reuse_distance": 1e9}, "zero_optimization.stage3_max_reuse_distance",
+         "a stage-3 setting, and the stage is 2"),
     ],
 )
 def test_falsy_and_stage3_only_keys_are_named_with_their_reason(section, key, reason):

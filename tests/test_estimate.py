@@ -110,6 +110,11 @@ def test_stage3_working_set_follows_units_and_prefetch():
     assert working(prefetch_bucket_size=0, param_persistence_threshold=60_000) == 4 * 700_000 + 4 * 300_000
     # defaults (5e7 prefetch bucket): everything is gathered, never more than the model
     assert working() == 4 * PSI + 4 * 300_000
+    # max_reuse_distance ([Note: reuse distance] in zero/units.py): the last 50k and 300k units stay
+    # gathered for their backward (in between: 0, then 50k, then 350k >= 300k ends it), beside the
+    # largest pair of the rest (300k + 300k)
+    assert working(prefetch_bucket_size=0, param_persistence_threshold=0, max_reuse_distance=300_000) == \
+        4 * (350_000 + 600_000) + 4 * 300_000
     # counts only (--largest-unit): every unit that large, one prefetched
     cold = ModelSize(PSI, L, unit=300_000)
     assert estimate(cold, 3, zero=NO_PREFETCH).gpu_working == 4 * 600_000 + 4 * 300_000
@@ -150,6 +155,10 @@ def test_nvme_traffic_and_buffers():
     gathers = 2 * 75_000 * 2 + 12_500 * 2 + 2 * 75_000
     assert nvme_traffic(size, "params+optimizer=nvme", N, zero) == (12 * shard + 4 * gathers, 16 * shard)
     assert nvme_traffic(size, "params+optimizer=cpu", N, zero) == (0, 0)
+    # a unit kept for reuse is read once: the last 300k unit (the 50k ones after it are persistent)
+    reuse = ZeroConfig(param_persistence_threshold=60_000, max_reuse_distance=1)
+    kept = 75_000 * 2 + 75_000 + 12_500 * 2 + 2 * 75_000
+    assert nvme_traffic(size, "params+optimizer=nvme", N, reuse) == (12 * shard + 4 * kept, 16 * shard)
     e = estimate(size, 3, "params+optimizer=nvme", gpus_per_node=N, zero=zero)
     assert (e.nvme_read, e.nvme_written) == (12 * shard + 4 * gathers, 16 * shard)
     # buffers: 3 parameter buffers of at most 50k elements (under the 75k largest group shard),

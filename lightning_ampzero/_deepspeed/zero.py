@@ -30,8 +30,8 @@ _ZERO: dict[str, Any] = {
     "sub_group_size": _HANDLED,
     "stage3_max_live_parameters": _NoEffect("live parameters are bounded by the units in flight (prefetch_bucket_size)"),
     "max_live_parameters": _NoEffect("live parameters are bounded by the units in flight (prefetch_bucket_size)"),
-    "stage3_max_reuse_distance": _NoEffect("stage 3 re-gathers every unit for backward (reshard_after_forward)"),
-    "max_reuse_distance": _NoEffect("stage 3 re-gathers every unit for backward (reshard_after_forward)"),
+    "stage3_max_reuse_distance": "zero.max_reuse_distance",
+    "max_reuse_distance": "zero.max_reuse_distance",
     "stage3_model_persistence_threshold": _NoEffect("use param_persistence_threshold"),
     "model_persistence_threshold": _NoEffect("use param_persistence_threshold"),
     "stage3_gather_16bit_weights_on_model_save": _NoEffect(
@@ -67,7 +67,8 @@ _ZERO: dict[str, Any] = {
 
 # Mapped keys that act only at stage 3 (the ``zero.*`` fields they set are read only there).
 _STAGE3_ONLY = ("stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_param_persistence_threshold",
-                "param_persistence_threshold", "zero_hpz_partition_size")
+                "param_persistence_threshold", "zero_hpz_partition_size", "stage3_max_reuse_distance",
+                "max_reuse_distance")
 
 
 def convert_zero(conv: Any, z: dict[str, Any]) -> None:

@@ -36,7 +36,7 @@ from lightning_ampzero.zero.comm import (
 )
 from lightning_ampzero.zero.buffers import buffer_broadcast_of, install_buffer_broadcast
 from lightning_ampzero.zero.recover import in_step_method, reset_interrupted_step, step_entry
-from lightning_ampzero.zero.units import Unit, plan_units, region
+from lightning_ampzero.zero.units import Unit, kept_for_reuse, plan_units, region
 
 
 def _reshard_after_forward(cfg: ZeroConfig, numel: int) -> "bool | int":
@@ -50,6 +50,14 @@ def _reshard_after_forward(cfg: ZeroConfig, numel: int) -> "bool | int":
     if cfg.hpz_partition_size > 1:
         return cfg.hpz_partition_size
     return True
+
+
+def _kept_for_reuse(cfg: ZeroConfig, forward: list[Unit]) -> set[int]:
+    """Stage 3: ids of the groups (``forward``: in forward order) kept gathered until their backward ([Note: reuse distance] in units.py)."""
+    if cfg.stage != 3 or cfg.max_reuse_distance <= 0:
+        return set()
+    flags = kept_for_reuse([g.numel for g in forward], cfg.max_reuse_distance, cfg.param_persistence_threshold)
+    return {id(g) for g, keep in zip(forward, flags) if keep}
 
 
 def _prefetch_targets(units: list[Unit], budget: int) -> list[list[nn.Module]]:
@@ -212,8 +220,13 @@ def apply_zero(
     # gradients before backward ends (stage 3's gradient offload reads them at once).
     overlap = cfg.stage < 3 and cfg.overlap_comm
     gloo: list[Unit] = []  # groups given the ring collectives
+    # Forward order: a group's forward starts at its first module to run (module pre-order; see the
+    # prefetch below). [Note: reuse distance] in units.py keeps the last ones gathered for their backward.
+    pre = {id(m): i for i, m in enumerate(model.modules())}
+    kept = _kept_for_reuse(cfg, sorted((g for g, _ in plan), key=lambda g: min(pre[id(m)] for m in g.modules)))
     for group, policy in plan:
-        fully_shard(group.target, mesh=mesh, reshard_after_forward=_reshard_after_forward(cfg, group.numel),
+        reshard = False if id(group) in kept else _reshard_after_forward(cfg, group.numel)
+        fully_shard(group.target, mesh=mesh, reshard_after_forward=reshard,
                     mp_policy=policy, offload_policy=offload_policy)
         comm_dtype = getattr(policy, "comm_dtype", None)
         if comm_dtype is not None:  # [precision] see [Note: stage 1 accumulation dtype] in comm.py
@@ -239,15 +252,16 @@ def apply_zero(
         # and its backward where its forward ended (the last module to finish, module post-order,
         # backward runs it first). So a block's own group comes before its Linear group in both
         # passes, and the head's group before ln_f's in backward.
-        pre = {id(m): i for i, m in enumerate(model.modules())}
         post = {id(m): i for i, m in enumerate(_post_order(model))}
         budget = int(cfg.prefetch_bucket_size)
         # A persistent group (under param_persistence_threshold) stays gathered: it needs no
         # prefetch and must not take a slot of the chain, or the next resharded group would be
-        # prefetched only by the persistent group running just before it (no overlap).
+        # prefetched only by the persistent group running just before it (no overlap). A group
+        # kept for reuse is gathered in forward like the others, and is still there for backward.
         chain = [g for g in groups if _reshard_after_forward(cfg, g.numel) is not False]
         forward = sorted(chain, key=lambda g: min(pre[id(m)] for m in g.modules))
-        backward = sorted(chain, key=lambda g: max(post[id(m)] for m in g.modules), reverse=True)
+        backward = sorted((g for g in chain if id(g) not in kept), key=lambda g: max(post[id(m)] for m in g.modules),
+                          reverse=True)
         for group, targets in zip(forward, _prefetch_targets(forward, budget)):
             if targets:
                 group.modules[0].set_modules_to_forward_prefetch(targets)

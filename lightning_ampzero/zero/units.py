@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from torch import nn
 
@@ -177,6 +177,32 @@ def group_units(blocks: list[tuple[str, nn.Module]], unit_size: int,
         else:
             units.append(Unit([module], [name], n))
     return units
+
+
+def kept_for_reuse(numels: "Sequence[int]", max_reuse_distance: float, persistence_threshold: float) -> list[bool]:
+    """For stage-3 groups of ``numels`` elements in forward order: which stay gathered until their backward.
+
+    [Note: reuse distance] DeepSpeed's ``stage3_max_reuse_distance``: a parameter is not released
+    after its forward when it is used again within that many elements of parameters fetched in
+    between. A group's parameters are next used by its own backward, and in between run the
+    forwards of the groups after it and the backwards of those of them that were freed. So the
+    groups are kept from the last of the forward back, while the elements of the kept groups after
+    them stay under ``max_reuse_distance``; the first group that is freed ends it (every group
+    before it has at least as much in between). The last group of the forward has a distance of
+    0: FSDP2 would gather it again at once (the reason torchtitan keeps its last block gathered).
+    Groups under ``persistence_threshold`` stay gathered anyway and are not counted: they are
+    never gathered again. zero/apply.py shards by this, estimate.py counts its memory.
+    """
+    kept = [False] * len(numels)
+    later = 0  # elements of the kept groups after this one, gathered in between
+    for i in reversed(range(len(numels))):
+        if numels[i] < persistence_threshold:
+            continue
+        if later >= max_reuse_distance:
+            break
+        kept[i] = True
+        later += numels[i]
+    return kept
 
 
 def one_unit_below_stage3(numel: int, unit_size: int) -> bool:
