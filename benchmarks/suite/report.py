@@ -269,8 +269,8 @@ def _ratios(by_name: dict) -> dict:
             pairs["vs_ddp"] = f"ddp/s0/{cfg.precision}"  # the bar of stages 1-3: DDP's step time
         if cfg.system in DIAGNOSTIC:
             pairs["vs_ampzero"] = f"ampzero/{suffix}"
-        if cfg.system == "ampzero_fp32reduce":
-            del pairs["vs_fsdp2"]  # raw FSDP2 here has ampzero's bf16-mixed units, not these
+        if cfg.system in ("ampzero_fp32reduce", "ampzero_reuse"):
+            del pairs["vs_fsdp2"]  # raw FSDP2 here has ampzero's default units and resharding, not these
         if cfg.precision == "bf16-mixed":
             pairs["vs_deepspeed_bf16_mode"] = f"deepspeed/s{cfg.stage}/bf16-true"
         for key, den in pairs.items():
@@ -452,7 +452,7 @@ def plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
 
     cfgs = result["configs"]
     colors = {"ampzero": "#1f77b4", "fsdp2": "#2ca02c", "deepspeed": "#d62728", "ddp": "#7f7f7f",
-              "lightning_ddp": "#bcbd22", "ampzero_fp32reduce": "#9467bd"}
+              "lightning_ddp": "#bcbd22", "ampzero_fp32reduce": "#9467bd", "ampzero_reuse": "#17becf"}
     precisions = [p for p in ("32-true", "bf16-mixed", "bf16-true") if any(e["precision"] == p for e in cfgs.values())]
     paths = []
 

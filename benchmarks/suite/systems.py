@@ -11,6 +11,10 @@
   low-precision FSDP2 group of their own (stages 1-3; with them, one more group per unit) and
   stage 0 needs no DDP comm hook; the units are those of 32-true. Measures what reducing Linear
   gradients in bf16 costs in collectives.
+* ``ampzero_reuse`` (diagnostic, stage 3): ``ampzero`` with ``max_reuse_distance=1e9``,
+  DeepSpeed's default ``stage3_max_reuse_distance``, which the ``deepspeed`` runs use: both keep
+  this model's units gathered from forward to backward instead of gathering them again (the same
+  traffic), where ampzero's default (0) frees each unit after its forward.
 * ``lightning_ddp``: the same Trainer with Lightning's own ``strategy="ddp"``: Lightning's
   per-step cost with a strategy we did not write (the evidence for what Lightning costs).
 * ``fsdp2``: a bare loop over the model sharded by ``apply_zero`` with the policies
@@ -204,6 +208,8 @@ def run_lightning(cfg: BenchConfig, w: Workload, meter: Meter, rank: int) -> dic
             kw["offload_optimizer"] = cfg.offload
         if cfg.system == "ampzero_fp32reduce":
             kw["precision"] = {"lower_precision_safe_modules": []}
+        if cfg.system == "ampzero_reuse":
+            kw["max_reuse_distance"] = 1e9  # DeepSpeed's default stage3_max_reuse_distance
         strategy: Any = AmpZeroStrategy(
             stage=cfg.stage, reduce_bucket_size=w.reduce_bucket_size, allgather_bucket_size=w.allgather_bucket_size,
             prefetch_bucket_size=w.prefetch_bucket_size, param_persistence_threshold=w.param_persistence_threshold,
@@ -310,6 +316,7 @@ RUNNERS: dict[str, Callable[[BenchConfig, Workload, Meter, int], dict]] = {
     "lightning_ddp": run_lightning,
     "ampzero_nosigterm": run_lightning,
     "ampzero_fp32reduce": run_lightning,
+    "ampzero_reuse": run_lightning,
     "fsdp2": run_fsdp2,
     "ddp": run_ddp,
     "deepspeed": run_deepspeed,
