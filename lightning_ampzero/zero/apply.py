@@ -17,6 +17,7 @@ Stage 0 is plain DDP and handled by the strategy; it never reaches this module.
 from __future__ import annotations
 
 import functools
+import warnings
 from contextlib import contextmanager
 from typing import Iterator, Mapping, Optional
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils._pytree import tree_leaves
 
 from lightning_ampzero.config import ZeroConfig
 from lightning_ampzero.zero.comm import (
@@ -245,6 +247,8 @@ def apply_zero(
     # [Note: buffer broadcast] in zero/buffers.py: running statistics as DDP keeps them.
     # Every rank of the mesh holds a replica of the buffers (FSDP2 shards parameters only).
     install_buffer_broadcast(model, mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())
+    for target in [g.modules[0] for g in groups] + [model]:
+        _hook_view_bases(target)  # [Note: a group's output modified in place]
 
     if cfg.stage == 3 and cfg.prefetch_bucket_size > 0:
         # Prefetch follows execution order, which for the usual model (embeddings, blocks, head)
@@ -272,6 +276,40 @@ def apply_zero(
     units.sort(key=lambda u: order[id(u.modules[0])])
     root_numel = sum(p.numel() for p in model.parameters()) - sum(u.numel for u in units)
     return units + [Unit([model], [""], root_numel)]
+
+
+# [Note: a group's output modified in place]
+# FSDP2 gathers a group's parameters for backward from a hook on the group's forward output
+# (``_register_pre_backward_hook``). A hook on a view is lost when the view is modified in place,
+# and a Linear on a 3-D input returns a view (of its 2-D matmul); so ``h = self.fc2(x); h += x``
+# or ``nn.ReLU(inplace=True)`` after such a Linear left the group of ``fc2`` unhooked. At stage 3
+# its parameters were then freed when backward reached it, and the backward stopped with torch's
+# ``setStorage ... storage of size 0``: under "-mixed" each block's Linears are such a group ([Note:
+# low-precision groups]), and at any precision a unit that ends on a Linear (an output head whose
+# logits are scaled in place). A new-user trial saw FSDP2's warning about it on every BERT layer.
+# A hook on the view's base survives the in-place op (it fires with the gradient of the base's
+# value before it), and the base's gradient is there before the Linear's backward runs; FSDP2's
+# pre-backward is idempotent within a backward. So every group also hooks the bases of its view
+# outputs, and FSDP2's warning, which that makes moot, is not shown.
+def _hook_view_bases(module: nn.Module) -> None:
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    register = state._register_pre_backward_hook
+    if getattr(register, "_ampzero_view_bases", False):
+        return
+
+    def hooked(output: object) -> object:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            output = register(output)
+        if torch.is_grad_enabled():
+            for leaf in tree_leaves(output):
+                base = getattr(leaf, "_base", None) if isinstance(leaf, torch.Tensor) else None
+                if base is not None and leaf.requires_grad and base.grad_fn is not None:
+                    base.register_hook(state._pre_backward)
+        return output
+
+    hooked._ampzero_view_bases = True  # type: ignore[attr-defined]
+    state._register_pre_backward_hook = hooked
 
 
 def overlap_comm_note(cfg: ZeroConfig, backend: str) -> Optional[str]:

@@ -93,12 +93,23 @@ def network_of(root: nn.Module) -> "Callable[[str], Optional[str]]":
     storage of size 0`` (a new-user trial, issue 16's note). So a unit never packs modules of
     two such networks. A child that is itself a layer (a ``head = nn.Linear`` on the
     LightningModule, the layers of a model written directly in it) belongs to no network and
-    still shares a unit with its neighbours; modules that share a parameter are one unit all the
-    same (:func:`_merge_shared`).
+    still shares a unit with its neighbours, and so do the children of an ``nn.Sequential`` root
+    (its blocks, run in turn); modules that share a parameter are one unit all the same
+    (:func:`_merge_shared`).
     """
+    if isinstance(root, (nn.Sequential, nn.ModuleList)):
+        return lambda name: None  # its children are its layers, run one after the other
     networks = {name for name, child in root.named_children()
                 if any(any(True for _ in m.parameters(recurse=False)) for m in child.modules() if m is not child)}
     return lambda name: head if (head := name.split(".", 1)[0]) in networks else None
+
+
+def _joins(network: "Optional[Callable[[str], Optional[str]]]", names: list[str], name: str) -> bool:
+    """Whether the module ``name`` may share a unit with the modules ``names`` ([Note: one network per unit])."""
+    if network is None:
+        return True
+    mine, theirs = network(name), {network(n) for n in names} - {None}
+    return mine is None or not theirs or mine in theirs
 
 
 def leftover_modules(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
@@ -134,9 +145,7 @@ def leftover_modules(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> li
 
     def join(name: str, module: nn.Module) -> None:
         # [Note: one network per unit]: a run ends where another network's modules begin
-        mine = network(name)
-        theirs = {network(n) for n, _ in runs[-1]} - {None}
-        if mine is not None and theirs and mine not in theirs:
+        if not _joins(network, [n for n, _ in runs[-1]], name):
             runs.append([])
         runs[-1].append((name, module))
 
@@ -169,8 +178,7 @@ def group_units(blocks: list[tuple[str, nn.Module]], unit_size: int,
     for name, module in blocks:
         n = _param_numel(module)
         last = units[-1] if units else None
-        same = network is None or last is None or network(last.names[-1]) == network(name)
-        if last is not None and same and last.numel + n <= unit_size:
+        if last is not None and _joins(network, last.names, name) and last.numel + n <= unit_size:
             last.modules.append(module)
             last.names.append(name)
             last.numel += n
