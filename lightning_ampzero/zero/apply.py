@@ -292,10 +292,18 @@ def apply_zero(
 # pre-backward is idempotent within a backward. So every group also hooks the bases of its view
 # outputs, and FSDP2's warning, which that makes moot, is not shown.
 def _hook_view_bases(module: nn.Module) -> None:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
     state = module._get_fsdp_state()  # type: ignore[operator]
     register = state._register_pre_backward_hook
     if getattr(register, "_ampzero_view_bases", False):
         return
+
+    def on_base(grad: torch.Tensor) -> torch.Tensor:
+        # Only where the view's own hook was lost: otherwise this group is in its backward already.
+        if state._training_state != TrainingState.PRE_BACKWARD:
+            state._pre_backward(grad)
+        return grad
 
     def hooked(output: object) -> object:
         with warnings.catch_warnings():
@@ -305,7 +313,7 @@ def _hook_view_bases(module: nn.Module) -> None:
             for leaf in tree_leaves(output):
                 base = getattr(leaf, "_base", None) if isinstance(leaf, torch.Tensor) else None
                 if base is not None and leaf.requires_grad and base.grad_fn is not None:
-                    base.register_hook(state._pre_backward)
+                    base.register_hook(on_base)
         return output
 
     hooked._ampzero_view_bases = True  # type: ignore[attr-defined]
