@@ -268,7 +268,8 @@ class _StubModule:
         self.logged: list[dict] = []
 
     def log_dict(self, metrics, **kw):
-        assert kw["on_step"] and kw["logger"] and not kw["on_epoch"]
+        assert kw["on_step"] and not kw["on_epoch"]
+        assert kw["logger"] == bool(getattr(self._trainer, "loggers", True))  # none with Trainer(logger=False)
         self.logged.append(dict(metrics))
 
 
@@ -304,6 +305,17 @@ def test_optimizer_step_unscales_before_hooks_and_skips_on_overflow():
     assert all(torch.equal(a, b) for a, b in zip(net.parameters(), moved))
     assert torch.equal(opt.state[net.weight]["momentum_buffer"], state["momentum_buffer"])
     assert plugin._stub.logged == [{"skipped_steps": 0.0, "loss_scale": 16.0}, {"skipped_steps": 1.0, "loss_scale": 8.0}]
+
+
+def test_the_scaler_is_logged_without_a_logger_warning_when_the_trainer_has_none():
+    import types
+
+    plugin = AmpZeroPrecision("16-mixed", PrecisionConfig(), device="cpu")
+    plugin._stub = _StubModule()
+    plugin._stub._trainer = types.SimpleNamespace(loggers=[])  # Trainer(logger=False)
+    net = nn.Linear(2, 2)
+    _step(plugin, net, torch.optim.SGD(net.parameters(), lr=1.0), 0.5)
+    assert plugin._stub.logged == [{"skipped_steps": 0.0, "loss_scale": 65536.0}]  # logged, logger=False
 
 
 def test_overflow_at_minimum_scale_names_the_connected_model_parameters():

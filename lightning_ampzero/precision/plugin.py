@@ -309,7 +309,10 @@ class AmpZeroPrecision(Precision):
         metrics = {SKIPPED_STEPS_KEY: float(self.scaler.stats()["skipped_steps"])}
         if isinstance(self.scaler, DynamicLossScaler):
             metrics[LOSS_SCALE_KEY] = float(self.scaler.get_scale())
-        model.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, logger=True, batch_size=1)
+        # Trainer(logger=False): still in callback_metrics, without Lightning's "no logger configured"
+        # warning at every step (a new-user trial saw 16 of them in 8 steps)
+        logger = bool(getattr(model._trainer, "loggers", True))
+        model.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, logger=logger, batch_size=1)
 
     @staticmethod
     def _params(optimizer: Optimizer) -> Iterator[torch.Tensor]:
