@@ -311,6 +311,11 @@ def valid_combinations(stages: Iterable[int] = STAGES, offloads: Iterable[str] =
     return out
 
 
+def _unit_sizes(size: ModelSize) -> tuple[int, ...]:
+    """The units' elements in execution order: known from a model, or every unit ``largest_unit`` large."""
+    return tuple(size.units) or (size.largest_unit,) * max(1, size.numel // max(1, size.largest_unit))
+
+
 def _stage3_gathered(size: ModelSize, zero: ZeroConfig) -> int:
     """Elements of parameters a stage-3 rank holds gathered at its peak.
 
@@ -328,7 +333,7 @@ def _stage3_gathered(size: ModelSize, zero: ZeroConfig) -> int:
         if zero.max_reuse_distance <= 0:
             ahead = max(unit, (budget // unit) * unit)
             return min(size.numel, unit + ahead)
-        units = (unit,) * max(1, size.numel // unit)  # every unit that large, as above
+        units = _unit_sizes(size)  # every unit that large, as above
     threshold = zero.param_persistence_threshold
     # [Note: reuse distance] in zero/units.py: the kept units are all gathered when backward starts
     # (an upper bound: the first of them to run backward is freed before the rest is gathered again)
@@ -524,7 +529,7 @@ def nvme_traffic(size: ModelSize, offload: str, n_ranks: int, zero: Optional[Zer
     if kind == "params+optimizer":
         from lightning_ampzero.zero.units import kept_for_reuse
 
-        units = list(size.units) or [size.largest_unit] * max(1, size.numel // max(1, size.largest_unit))
+        units = _unit_sizes(size)
         kept = kept_for_reuse(units, zero.max_reuse_distance, zero.param_persistence_threshold)
         gathers = sum((1 if u < zero.param_persistence_threshold or k else 2) * -(-u // n_ranks)
                       for u, k in zip(units, kept) if u)

@@ -495,13 +495,10 @@ class AmpZeroStrategy(ParallelStrategy):
         prepare_manual_backward(self.model, closure_loss)
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        except RuntimeError as error:
+        except BaseException as error:
             self._ddp_interrupted = self.stage == 0
-            if self.stage == 0 or "storage of size 0" not in str(error):
-                raise
-            raise RuntimeError(FREED_IN_BACKWARD) from error
-        except BaseException:
-            self._ddp_interrupted = self.stage == 0
+            if self.stage > 0 and isinstance(error, RuntimeError) and "storage of size 0" in str(error):
+                raise RuntimeError(FREED_IN_BACKWARD) from error
             raise
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -225,7 +225,8 @@ def apply_zero(
     # Forward order: a group's forward starts at its first module to run (module pre-order; see the
     # prefetch below). [Note: reuse distance] in units.py keeps the last ones gathered for their backward.
     pre = {id(m): i for i, m in enumerate(model.modules())}
-    kept = _kept_for_reuse(cfg, sorted((g for g, _ in plan), key=lambda g: min(pre[id(m)] for m in g.modules)))
+    starts = lambda g: min(pre[id(m)] for m in g.modules)  # noqa: E731
+    kept = _kept_for_reuse(cfg, sorted((g for g, _ in plan), key=starts))
     for group, policy in plan:
         reshard = False if id(group) in kept else _reshard_after_forward(cfg, group.numel)
         fully_shard(group.target, mesh=mesh, reshard_after_forward=reshard,
@@ -263,7 +264,7 @@ def apply_zero(
         # prefetched only by the persistent group running just before it (no overlap). A group
         # kept for reuse is gathered in forward like the others, and is still there for backward.
         chain = [g for g in groups if _reshard_after_forward(cfg, g.numel) is not False]
-        forward = sorted(chain, key=lambda g: min(pre[id(m)] for m in g.modules))
+        forward = sorted(chain, key=starts)
         backward = sorted((g for g in chain if id(g) not in kept), key=lambda g: max(post[id(m)] for m in g.modules),
                           reverse=True)
         for group, targets in zip(forward, _prefetch_targets(forward, budget)):
