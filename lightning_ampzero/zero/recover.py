@@ -30,6 +30,9 @@ Stage 0 is DDP, whose reducer has no such reset: the strategy stops with an erro
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import warnings
 from contextlib import contextmanager
 from typing import Iterator
@@ -86,8 +89,30 @@ def reset_interrupted_step(model: nn.Module, *, in_step: bool = False) -> bool:
                 if getattr(fsdp_param, "_unsharded_param", None) is not None:
                     fsdp_param._unsharded_param.grad = None
     if not dist.is_initialized() or dist.get_rank() == 0:  # every rank resets; one says so
-        warnings.warn(INTERRUPTED_WARNING, stacklevel=3)
+        warnings.warn(INTERRUPTED_WARNING, stacklevel=_user_stacklevel())
     return True
+
+
+def _user_stacklevel() -> int:
+    """``stacklevel`` for a warning of :func:`reset_interrupted_step`: the innermost frame of the user's code.
+
+    The reset runs in a hook or around a step method, several frames below Lightning's loop, and a
+    fixed level named ``contextlib.py`` or torch's ``module.py``; the user's ``training_step`` (a
+    retry) or the line that called ``trainer.fit`` is where a ``warnings`` filter by module or file
+    should find it.
+    """
+    import lightning
+    import lightning_utilities
+
+    libraries = tuple(os.path.dirname(m.__file__) + os.sep
+                      for m in (torch, lightning, lightning_utilities, sys.modules["lightning_ampzero"]))
+    frame, level = sys._getframe(1), 1  # level 1: the caller of warnings.warn, reset_interrupted_step
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(libraries) and name != contextlib.__file__:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
 
 
 _depth = 0  # step methods running (validation_step may call training_step)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -156,7 +157,9 @@ def _fit(strategy, variant: str, retry: bool = False, child: bool = False) -> tu
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, data)
-    warned = any(str(w.message) == INTERRUPTED_WARNING for w in caught)
+    # the warning names this file (the user's code: training_step, or the line calling fit), never
+    # contextlib's or torch's frames it is raised under
+    warned = any(str(w.message) == INTERRUPTED_WARNING and os.path.samefile(w.filename, __file__) for w in caught)
     params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
               for k, v in model.state_dict().items()}
     return params, warned
