@@ -283,3 +283,83 @@ def test_cuda_cpu_checkpointing_saves_device_memory():
         loss.backward()
     # Device memory held after forward drops by the checkpoints (block inputs) moved to the host.
     assert peaks["full"] - peaks["cpu"] >= N_BLOCKS * 8 * 32 * 64 * 4 * 0.9
+
+
+def test_a_hugging_face_decoder_block_called_with_a_cache_trains_as_without_the_cache():
+    # [Note: a cache inside a checkpointed block]: T5 passes its blocks a cache object even in
+    # training; checkpointed, the recomputation found it filled and torch stopped with
+    # CheckpointError (51 tensors saved in forward, 47 in recomputation).
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def grads(ac: AC | None, **kwargs) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = transformers.T5ForConditionalGeneration(config).train()
+        if ac is not None:
+            apply_activation_checkpointing(model, ac)
+        model(input_ids=ids, labels=ids, **kwargs).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    reference = grads(None, use_cache=False)
+    for mode in ("full", "selective"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            checkpointed = grads(AC(mode=mode))
+        assert checkpointed.keys() == reference.keys()
+        assert all(torch.equal(checkpointed[n], reference[n]) for n in reference)
+        said = [w for w in caught if "key/value cache" in str(w.message)]
+        assert len(said) == 1 and "use_cache=False" in str(said[0].message)  # once per model, with the way out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the user's way out: nothing to say
+        assert all(torch.equal(g, reference[n]) for n, g in grads(AC(mode="full"), use_cache=False).items())
+
+
+def test_a_block_that_only_reads_its_cache_keeps_it_under_checkpointing():
+    seen = []
+
+    class Block(torch.nn.Module):
+        def __init__(self, read_only: bool) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self._can_checkpoint_with_cache = read_only
+
+        def forward(self, x, cache=None, use_cache=False):
+            seen.append((cache is not None, use_cache))
+            return self.lin(x)
+
+    for read_only, expected in ((True, (True, False)), (False, (False, False))):
+        model = torch.nn.Sequential(Block(read_only), Block(read_only))
+        apply_activation_checkpointing(model, AC(mode="full"), warn=lambda message: None)
+        seen.clear()
+        model[0](torch.randn(2, 4), cache={"k": 1}, use_cache=True).sum().backward()
+        assert seen == [expected, expected]  # the forward and its recomputation see the same arguments
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_batchnorm_statistics_are_updated_once_per_step_under_checkpointing(mode):
+    # [Note: buffers a recomputation updates]: the recomputation ran each BatchNorm a second
+    # time in training mode (num_batches_tracked 2 per step, running means moved twice).
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.norm = torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.norm(self.conv(x)))
+
+    def run(ac: AC | None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Block(), Block(), Block()).train()
+        if ac is not None:
+            assert len(apply_activation_checkpointing(model, ac).blocks) == 3
+        for step in range(3):
+            x = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+        return dict(model.named_buffers()), {n: p.grad for n, p in model.named_parameters()}
+
+    (buffers, grads), (kept, checkpointed) = run(None), run(AC(mode=mode))
+    assert int(kept["0.norm.num_batches_tracked"]) == 3
+    assert all(torch.equal(kept[n], b) for n, b in buffers.items())
+    assert all(torch.equal(checkpointed[n], g) for n, g in grads.items())

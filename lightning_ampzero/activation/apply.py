@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -100,17 +101,34 @@ def _device_of(args: tuple, kwargs: dict) -> Optional[torch.device]:
     return None
 
 
+# [Note: a cache inside a checkpointed block]
+# A decoder block called with a key/value cache object writes its keys and values into it during
+# forward. Checkpointed, the block runs again in backward and finds the cache filled: T5's
+# cross-attention then reads the cached states instead of computing them, saves fewer tensors, and
+# torch's checkpoint stops ("A different number of tensors was saved during the original forward
+# and recomputation"; a new-user trial, issue 16's note); a block that found no such check would
+# append its keys twice. A cache has no use in a training forward whose blocks are recomputed, so
+# under checkpointing the block runs with ``use_cache=False`` and no cache object (the keyword
+# names Hugging Face's decoder blocks use), as transformers does for its own gradient checkpointing,
+# and says so once. Blocks that declare ``_can_checkpoint_with_cache`` (transformers' flag for a
+# block that only reads its cache) keep the cache object.
+CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
+
+
 class _CheckpointedForward:
     """The replacement ``forward`` of a checkpointed block."""
 
-    def __init__(self, owner: "ActivationCheckpointing", name: str, original: Callable) -> None:
+    def __init__(self, owner: "ActivationCheckpointing", name: str, module: nn.Module, original: Callable) -> None:
         self.owner, self.name, self.original = owner, name, original
+        # Hugging Face's opt-out for blocks that only read their cache (the recomputation reads the same states).
+        self.cache_read_only = bool(getattr(module, "_can_checkpoint_with_cache", False))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self.owner
         if not torch.is_grad_enabled():
             return self.original(*args, **kwargs)  # evaluation: nothing is saved, nothing to checkpoint
         cfg = owner.config
+        kwargs = self._without_cache(kwargs)
         device = _device_of(args, kwargs)
         if cfg.synchronize_checkpoint_boundary:
             owner.boundaries += 1
@@ -129,18 +147,68 @@ class _CheckpointedForward:
             p.forward_s += owner._clock(device) - start
         return out
 
+    def _without_cache(self, kwargs: dict) -> dict:
+        """``kwargs`` with the key/value cache turned off ([Note: a cache inside a checkpointed block])."""
+        changed = {}
+        if kwargs.get("use_cache"):
+            changed["use_cache"] = False
+        if not self.cache_read_only:
+            changed.update({key: None for key in CACHE_KWARGS if kwargs.get(key) is not None})
+        if not changed:
+            return kwargs
+        if not self.owner.warned_cache:
+            self.owner.warned_cache = True
+            self.owner.warn(
+                f"activation checkpointing: the checkpointed block {self.name!r} was called in training with a"
+                f" key/value cache (keyword arguments {', '.join(sorted(changed))}). Backward re-runs the block, which would fill the cache"
+                " a second time (Hugging Face's T5 then stopped with CheckpointError), so checkpointed blocks run"
+                f" without it: {', '.join(f'{k}={v}' for k, v in sorted(changed.items()))}, as Hugging Face's"
+                " gradient_checkpointing_enable() does. Pass use_cache=False to the model in training_step to"
+                " silence this."
+            )
+        return {**kwargs, **changed}
+
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         # A call while autograd runs a backward graph is the recomputation.
-        if not self.owner.config.profile or torch._C._current_graph_task_id() == -1:
+        if torch._C._current_graph_task_id() == -1:
             return self.original(*args, **kwargs)
+        with _outside_checkpoint():
+            kept = _persistent_buffers(self.original.__self__)  # [Note: buffers a recomputation updates]
         device = _device_of(args, kwargs)
-        start = self.owner._clock(device)
+        start = self.owner._clock(device) if self.owner.config.profile else 0.0
         try:
             return self.original(*args, **kwargs)
         finally:  # also when recomputation stops early (it raises once it has what it needs)
-            p = self.owner.profile[self.name]
-            p.recompute_calls += 1
-            p.recompute_s += self.owner._clock(device) - start
+            with _outside_checkpoint(), torch.no_grad():
+                for buffer, value in kept:
+                    buffer.copy_(value)
+            if self.owner.config.profile:
+                p = self.owner.profile[self.name]
+                p.recompute_calls += 1
+                p.recompute_s += self.owner._clock(device) - start
+
+
+# [Note: buffers a recomputation updates]
+# The recomputation runs the block's forward a second time, in training mode: a BatchNorm in it
+# updated its running statistics twice per step (a ResNet under activation checkpointing ended
+# its conformance run with num_batches_tracked 20 for 10 steps, and running means off), as with
+# torch's own checkpoint. The block's persistent buffers (the module state a forward may update:
+# running statistics, spectral norm's vectors) are copied before the recomputation and put back
+# after it: the step then updates them once, as without checkpointing. All of them, not only those
+# whose version counter moved: BatchNorm's kernel updates its running statistics without counting
+# it. Non-persistent buffers (causal masks, rotary tables) are caches, not state, and are left alone.
+def _outside_checkpoint() -> Any:
+    """Ops the recomputation must not count: ``selective`` replays the forward under a dispatch mode
+    that stops at any op the forward did not run (torch 2.13 ``_CachedTorchDispatchMode``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def _persistent_buffers(block: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(buffer, buffer.detach().clone())
+            for module in block.modules() for name, buffer in module._buffers.items()
+            if buffer is not None and name not in module._non_persistent_buffers_set]
 
 
 class ActivationCheckpointing:
@@ -159,6 +227,8 @@ class ActivationCheckpointing:
         # dispatch modes, and torch's own default is the only other one it accepts.
         self.context_fn: Optional[Callable] = _selective_context if config.mode == "selective" else None
         self._patched: list[tuple[nn.Module, Any]] = []
+        self.warn: Callable[[str], None] = functools.partial(warnings.warn, stacklevel=4)
+        self.warned_cache = False
 
     @property
     def enabled(self) -> bool:
@@ -220,9 +290,9 @@ def apply_activation_checkpointing(
     if config.mode == "none":
         return handle
     if warn is None:
-        import warnings
-
         warn = functools.partial(warnings.warn, stacklevel=3)
+    else:
+        handle.warn = warn
     if config.partition_activations:
         dims = tuple(getattr(mesh, "mesh_dim_names", None) or ("dp",))
         # [Note: partition_activations] DeepSpeed splits each checkpoint across the *model*
@@ -260,7 +330,7 @@ def apply_activation_checkpointing(
                 f"module {name!r} is already activation-checkpointed with another configuration"
                 f" ({current.owner.config}). Call .remove() on the earlier handle first."
             )
-        module.forward = _CheckpointedForward(handle, name, module.forward)
+        module.forward = _CheckpointedForward(handle, name, module, module.forward)
         handle._patched.append((module, current))
         handle.blocks.append(name)
         if config.profile:

@@ -175,9 +175,12 @@ class ConformanceModule(pl.LightningModule):
 
 
 def strategy_for(config: str, numel: int) -> Any:
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    if config.endswith("a"):  # activation checkpointing of every block, by its string form
+        return AmpZeroStrategy(stage=int(config[:-1]), activation_checkpointing="full")
     if not config.endswith("s"):
         return f"ampzero_stage_{int(config)}"
-    from lightning_ampzero.strategy import AmpZeroStrategy
 
     return AmpZeroStrategy(stage=int(config[:-1]), reduce_bucket_size=max(1, numel // 8),
                            param_persistence_threshold=0)
@@ -186,7 +189,7 @@ def strategy_for(config: str, numel: int) -> Any:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True, choices=sorted(ZOO))
-    p.add_argument("--configs", default="0,1,2,2s,3,3s")
+    p.add_argument("--configs", default="0,1,2,2s,3,3s,3a")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", required=True)
     args = p.parse_args()
