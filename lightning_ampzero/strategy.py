@@ -532,6 +532,11 @@ class AmpZeroStrategy(ParallelStrategy):
             for m in fsdp_modules(self.lightning_module):
                 m.reshard()
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.imported is not None and self.lightning_module is not None:
+            self.imported.check_dataloader(self.lightning_module.trainer)
+
     def on_validation_end(self) -> None:
         self._reshard()
 

@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +40,8 @@ from lightning_ampzero.deepspeed import (
     build_scheduler,
     convert_deepspeed_config,
 )
+
+from _scripts import script_env  # noqa: E402  (tests/ is on the path, as for the other test files)
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "examples" / "deepspeed_migration" / "ds_configs"
@@ -448,6 +451,42 @@ def test_own_optimizer_with_config_scheduler_follows_deepspeeds_lr_sequence(tmp_
     expected = [0.01] + [0.01 + 0.49 * _deepspeed_gamma(k - 1, 4, 10, "log") for k in range(1, 12)]
     assert module.lrs == pytest.approx(expected)
     assert module.lrs[5] == pytest.approx(0.5) and module.lrs[11] == pytest.approx(0.01)  # decayed to min at 10
+
+
+def test_a_dataloader_batch_other_than_the_configs_micro_batch_is_said_when_training_starts(tmp_path):
+    # A plain Trainer script (a process of its own: the strategy starts a process group).
+    code = textwrap.dedent("""
+        import json, sys, warnings
+        import torch, lightning.pytorch as pl
+        from lightning_ampzero.strategy import AmpZeroStrategy
+
+        class Own(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(2, 2)
+            def training_step(self, batch, batch_idx):
+                return self.layer(batch).sum()
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        said = {}
+        for batch in (4, 8):
+            trainer = pl.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False, default_root_dir=sys.argv[1],
+                                 strategy=AmpZeroStrategy(config={"train_micro_batch_size_per_gpu": 8}))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer.fit(Own(), torch.utils.data.DataLoader(torch.randn(16, 2), batch_size=batch))
+            said[batch] = [str(w.message) for w in caught if w.category.__name__ == "DeepSpeedConfigWarning"]
+        print(json.dumps(said))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=script_env(), capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(said["4"]) == 1 and "DataLoader's batch_size is 4" in said["4"][0] and "batch_size=8" in said["4"][0]
+    assert "= 4 samples, where the config has 8" in said["4"][0]
+    assert said["8"] == []
 
 
 def test_strategy_accepts_a_deepspeed_dict_and_path():

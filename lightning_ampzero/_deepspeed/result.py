@@ -102,6 +102,28 @@ class ImportedDeepSpeedConfig:
                 f" ({world}) = {micro * accumulate * world}."
             )
 
+    def check_dataloader(self, trainer: Any) -> None:
+        """Warn when the training DataLoader's batch size is not the config's micro-batch.
+
+        Under Lightning the DataLoader makes the micro-batch, and the config's batch sizes only
+        check each other (:meth:`_check_batch`); a config of ``train_micro_batch_size_per_gpu: 8``
+        beside a DataLoader of 4 trained on half DeepSpeed's global batch without a word (a
+        new-user trial, issue 16's note). Called when training starts, once the loader exists.
+        """
+        world = int(getattr(trainer, "world_size", 1) or 1)
+        micro = self.micro_batch(world)
+        size = getattr(getattr(trainer, "train_dataloader", None), "batch_size", None)
+        if micro is None or not isinstance(size, int) or size == micro:
+            return  # "auto" sizes, several loaders, or a batch sampler: nothing to compare
+        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1))
+        given = [f"{key}={value}" for key, value in (("train_micro_batch_size_per_gpu", self.micro_batch_size),
+                                                     ("train_batch_size", self.train_batch_size)) if value is not None]
+        _warn(f"DeepSpeed config {self.source}: {' and '.join(given)} make {micro} samples per process and"
+              f" micro-batch, but the training DataLoader's batch_size is {size}. Under Lightning the DataLoader"
+              f" decides: each optimizer step trains on {size} x {accumulate} (accumulation) x {world} (processes)"
+              f" = {size * accumulate * world} samples, where the config has {micro * accumulate * world}. Give the"
+              f" DataLoader batch_size={micro} to train as DeepSpeed would.")
+
     def install_optimizers(self, module: Any) -> None:
         """Let ``module`` fall back to the ``optimizer`` / ``scheduler`` sections (idempotent).
 

@@ -161,7 +161,8 @@ class AmpZeroPrecision(Precision):
             if config.precision is None:
                 rank_zero_info(
                     "strategy 'ampzero' keeps precision='16-mixed' on CPU: torch's CPU autocast supports float16,"
-                    " with dynamic loss scaling (Lightning's note that it uses 'bf16-mixed' instead does not apply)."
+                    " with dynamic loss scaling. Lightning's two lines above, that it uses 'bf16-mixed' and bfloat16 AMP"
+                    " instead, do not apply: the model trains in float16."
                 )
         if config.precision is not None and requested not in ("32-true", config.precision):
             rank_zero_warn(
