@@ -317,7 +317,7 @@ def test_a_hugging_face_decoder_block_called_with_a_cache_trains_as_without_the_
 
 
 def test_a_block_that_only_reads_its_cache_keeps_it_under_checkpointing():
-    seen = []
+    seen: list[tuple[bool, bool]] = []
 
     class Block(torch.nn.Module):
         def __init__(self, read_only: bool) -> None:
@@ -329,12 +329,18 @@ def test_a_block_that_only_reads_its_cache_keeps_it_under_checkpointing():
             seen.append((cache is not None, use_cache))
             return self.lin(x)
 
-    for read_only, expected in ((True, (True, False)), (False, (False, False))):
+    for read_only, expected in ((True, (True, True)), (False, (False, False))):
         model = torch.nn.Sequential(Block(read_only), Block(read_only))
         apply_activation_checkpointing(model, AC(mode="full"), warn=lambda message: None)
         seen.clear()
         model[0](torch.randn(2, 4), cache={"k": 1}, use_cache=True).sum().backward()
         assert seen == [expected, expected]  # the forward and its recomputation see the same arguments
+    # A use_cache flag with no cache object (GPT-2 and Llama pass their config's down): left alone, no warning.
+    model = torch.nn.Sequential(Block(False), Block(False))
+    apply_activation_checkpointing(model, AC(mode="full"), warn=pytest.fail)
+    seen.clear()
+    model[0](torch.randn(2, 4), use_cache=True).sum().backward()
+    assert seen == [(False, True), (False, True)]
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

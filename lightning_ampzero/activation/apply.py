@@ -108,10 +108,12 @@ def _device_of(args: tuple, kwargs: dict) -> Optional[torch.device]:
 # torch's checkpoint stops ("A different number of tensors was saved during the original forward
 # and recomputation"; a new-user trial, issue 16's note); a block that found no such check would
 # append its keys twice. A cache has no use in a training forward whose blocks are recomputed, so
-# under checkpointing the block runs with ``use_cache=False`` and no cache object (the keyword
-# names Hugging Face's decoder blocks use), as transformers does for its own gradient checkpointing,
-# and says so once. Blocks that declare ``_can_checkpoint_with_cache`` (transformers' flag for a
-# block that only reads its cache) keep the cache object.
+# under checkpointing a block given a cache object runs without it (``None`` under the keyword
+# names Hugging Face's decoder blocks use, and ``use_cache=False``), as transformers does for its
+# own gradient checkpointing, and says so once. A ``use_cache=True`` with no cache object (GPT-2
+# and Llama pass their config's flag down in training) has nothing to fill and is left alone, with
+# no warning. Blocks that declare ``_can_checkpoint_with_cache`` (transformers' flag for a block
+# that only reads its cache) keep their arguments.
 CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
 
 
@@ -148,20 +150,19 @@ class _CheckpointedForward:
         return out
 
     def _without_cache(self, kwargs: dict) -> dict:
-        """``kwargs`` with the key/value cache turned off ([Note: a cache inside a checkpointed block])."""
-        changed = {}
+        """``kwargs`` without a key/value cache object ([Note: a cache inside a checkpointed block])."""
+        if self.cache_read_only or not any(kwargs.get(key) is not None for key in CACHE_KWARGS):
+            return kwargs  # a use_cache flag with no cache object to fill is left as the model passes it
+        changed: dict[str, Any] = {key: None for key in CACHE_KWARGS if kwargs.get(key) is not None}
         if kwargs.get("use_cache"):
             changed["use_cache"] = False
-        if not self.cache_read_only:
-            changed.update({key: None for key in CACHE_KWARGS if kwargs.get(key) is not None})
-        if not changed:
-            return kwargs
         if not self.owner.warned_cache:
             self.owner.warned_cache = True
             self.owner.warn(
                 f"activation checkpointing: the checkpointed block {self.name!r} was called in training with a"
-                f" key/value cache (keyword arguments {', '.join(sorted(changed))}). Backward re-runs the block, which would fill the cache"
-                " a second time (Hugging Face's T5 then stopped with CheckpointError), so checkpointed blocks run"
+                f" key/value cache (keyword arguments {', '.join(sorted(changed))}). Backward re-runs the block,"
+                " which would fill the cache a second time (Hugging Face's T5 then stopped with CheckpointError),"
+                " so checkpointed blocks run"
                 f" without it: {', '.join(f'{k}={v}' for k, v in sorted(changed.items()))}, as Hugging Face's"
                 " gradient_checkpointing_enable() does. Pass use_cache=False to the model in training_step to"
                 " silence this."
