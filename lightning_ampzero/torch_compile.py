@@ -19,8 +19,12 @@ and the communication between blocks overlaps as in eager mode.
 from __future__ import annotations
 
 import difflib
+from typing import Any, Callable
+
+import torch
 from torch import nn
 
+from lightning_ampzero.activation.apply import _CheckpointedForward, cache_dropped
 from lightning_ampzero.config import CompileConfig
 from lightning_ampzero.zero.units import find_blocks
 
@@ -41,6 +45,31 @@ def _check_backend(backend: str) -> None:
 def compiled_blocks(model: nn.Module) -> list[str]:
     """Names of the submodules that ``apply_compile`` (or the user) compiled in place."""
     return [name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+
+
+# [Note: a cache inside a compiled block]
+# Hugging Face's decoders pass a key/value cache object (DynamicCache) to every layer in a training
+# forward when ``config.use_cache`` is on, the default. Each layer indexes it with its own
+# ``layer_idx``, a constant to dynamo, so each layer of a block class compiled a graph of its own,
+# and past ``torch._dynamo.config.recompile_limit`` (8) the rest ran eager without a word (a
+# new-user trial: a 12-layer Llama, 8 graphs). In a training forward (gradients on) a compiled
+# block therefore runs without the cache object, as a checkpointed block does ([Note: a cache
+# inside a checkpointed block] in activation/apply.py): one graph for every layer, and nothing
+# else changes, since training reads no cache (the model's returned cache is empty). Evaluation and
+# generation (no gradients) keep it.
+class _TrainingForward:
+    """A compiled block's ``forward``: without a key/value cache object when gradients are on (the Note)."""
+
+    def __init__(self, module: nn.Module, original: Callable) -> None:
+        self.original = original
+        self.cache_read_only = bool(getattr(module, "_can_checkpoint_with_cache", False))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            changed = cache_dropped(kwargs, self.cache_read_only)
+            if changed:
+                kwargs = {**kwargs, **changed}
+        return self.original(*args, **kwargs)
 
 
 def apply_compile(model: nn.Module, config: CompileConfig) -> list[str]:
@@ -65,6 +94,8 @@ def apply_compile(model: nn.Module, config: CompileConfig) -> list[str]:
     names = []
     for name, block in blocks:
         if getattr(block, "_compiled_call_impl", None) is None:
+            if not isinstance(block.__dict__.get("forward"), (_CheckpointedForward, _TrainingForward)):
+                block.forward = _TrainingForward(block, block.forward)  # checkpointed: it drops the cache itself
             block.compile(**options)
         names.append(name)
     return names

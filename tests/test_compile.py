@@ -146,6 +146,44 @@ def test_compiled_blocks_train_as_eager_with_one_graph_for_all_blocks(ac):
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("ac", [None, "full"])
+def test_a_hugging_face_decoder_compiles_one_graph_for_all_its_layers(ac):
+    # [Note: a cache inside a compiled block]: Llama hands every layer a DynamicCache in training;
+    # each layer compiled its own graph and past 8 (dynamo's recompile limit) they ran eager.
+    transformers = pytest.importorskip("transformers")
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from lightning_ampzero.activation import apply_activation_checkpointing
+    from lightning_ampzero.torch_compile import apply_compile
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=10,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(config)
+    model = copy.deepcopy(eager)
+    if ac is not None:
+        apply_activation_checkpointing(model, ActivationCheckpointingConfig(mode=ac), warn=lambda message: None)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        assert len(apply_compile(model, CompileConfig(enabled=True))) == 10
+        got = model(input_ids=x, labels=x).loss
+        got.backward()
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        ref = eager(input_ids=x, labels=x).loss
+        ref.backward()
+        assert got.item() == pytest.approx(ref.item(), rel=1e-5)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        with torch.no_grad():  # evaluation and generation keep their cache
+            assert model(input_ids=x, use_cache=True).past_key_values.get_seq_length() == 16
+    finally:
+        torch._dynamo.reset()
+
+
 def test_nothing_to_compile_and_unknown_backends_are_errors():
     from lightning_ampzero.torch_compile import apply_compile
 

@@ -117,6 +117,19 @@ def _device_of(args: tuple, kwargs: dict) -> Optional[torch.device]:
 CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
 
 
+def cache_dropped(kwargs: dict, read_only: bool) -> dict:
+    """The changes to a block's ``kwargs`` that take its key/value cache object away ({} if none).
+
+    [Note: a cache inside a checkpointed block]; torch_compile.py applies the same to compiled blocks.
+    """
+    if read_only or not any(kwargs.get(key) is not None for key in CACHE_KWARGS):
+        return {}  # a use_cache flag with no cache object to fill is left as the model passes it
+    changed: dict[str, Any] = {key: None for key in CACHE_KWARGS if kwargs.get(key) is not None}
+    if kwargs.get("use_cache"):
+        changed["use_cache"] = False
+    return changed
+
+
 class _CheckpointedForward:
     """The replacement ``forward`` of a checkpointed block."""
 
@@ -151,12 +164,10 @@ class _CheckpointedForward:
 
     def _without_cache(self, kwargs: dict) -> dict:
         """``kwargs`` without a key/value cache object ([Note: a cache inside a checkpointed block])."""
-        if self.cache_read_only or not any(kwargs.get(key) is not None for key in CACHE_KWARGS):
-            return kwargs  # a use_cache flag with no cache object to fill is left as the model passes it
-        changed: dict[str, Any] = {key: None for key in CACHE_KWARGS if kwargs.get(key) is not None}
-        if kwargs.get("use_cache"):
-            changed["use_cache"] = False
-        if not self.owner.warned_cache:
+        changed = cache_dropped(kwargs, self.cache_read_only)
+        if not changed:
+            return kwargs
+        if not self.owner.warned_cache and not torch.compiler.is_compiling():  # a warning would split the graph
             self.owner.warned_cache = True
             self.owner.warn(
                 f"activation checkpointing: the checkpointed block {self.name!r} was called in training with a"
@@ -170,8 +181,10 @@ class _CheckpointedForward:
         return {**kwargs, **changed}
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
-        # A call while autograd runs a backward graph is the recomputation.
-        if torch._C._current_graph_task_id() == -1:
+        # A call while autograd runs a backward graph is the recomputation. Under torch.compile the
+        # compiled backward recomputes (and applies a buffer update once), and the graph-task query,
+        # which dynamo cannot trace, would split the block's graph: a compiled block ran eager.
+        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
             return self.original(*args, **kwargs)
         with _outside_checkpoint():
             kept = _persistent_buffers(self.original.__self__)  # [Note: buffers a recomputation updates]
