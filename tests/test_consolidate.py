@@ -111,3 +111,19 @@ def test_cli_errors_are_not_wrapped_into_the_middle_of_a_path(tmp_path):
     bad = _cli(str(missing), str(tmp_path / "x.safetensors"))
     assert bad.returncode == 2
     assert str(missing) in bad.stderr and "not a sharded checkpoint" in bad.stderr, bad.stderr
+
+
+def test_0_dim_tensors_are_written_and_read_back(tmp_path):
+    # A 0-dim tensor could not be viewed as bytes: consolidating a CLIP checkpoint (logit_scale) or any
+    # BatchNorm (num_batches_tracked) stopped with "self.dim() cannot be 0 to view Float as Byte".
+    from safetensors.torch import load_file
+
+    from lightning_ampzero.checkpoint.consolidate import Entry, write_state
+
+    state = {"logit_scale": torch.tensor(2.6592), "bn.num_batches_tracked": torch.tensor(7),
+             "w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)}
+    entries = [Entry(n, tuple(t.shape), t.dtype) for n, t in state.items()]
+    (path,) = write_state(entries, lambda e: state[e.name], tmp_path / "out.safetensors")
+    back = load_file(path)
+    assert back.keys() == state.keys()
+    assert all(back[n].shape == t.shape and back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in state.items())

@@ -115,7 +115,9 @@ class SafetensorsStreamWriter:
         self._expected.pop(0)
         data = tensor.detach().contiguous().cpu()
         if data.numel():
-            self._file.write(data.view(torch.uint8).reshape(-1).numpy())  # buffer protocol: no copy
+            # 1-D before the byte view: a 0-dim tensor (BatchNorm's num_batches_tracked, a learnable
+            # temperature) cannot be viewed as another element size
+            self._file.write(data.reshape(-1).view(torch.uint8).numpy())  # buffer protocol: no copy
 
     def close(self) -> None:
         self._file.close()

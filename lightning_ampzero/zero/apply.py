@@ -38,6 +38,7 @@ from lightning_ampzero.zero.comm import (
 )
 from lightning_ampzero.zero.buffers import buffer_broadcast_of, install_buffer_broadcast
 from lightning_ampzero.zero.recover import in_step_method, reset_interrupted_step, step_entry
+from lightning_ampzero.zero.scalars import average_scalar_gradients, scalar_parameters
 from lightning_ampzero.zero.units import Unit, kept_for_reuse, plan_units, region
 
 
@@ -189,6 +190,7 @@ def apply_zero(
         )
     mp_policy = mp_policy or MixedPrecisionPolicy()
     offload_policy = offload_policy or OffloadPolicy()  # the base class means "no offload"
+    scalars = scalar_parameters(model)  # [Note: 0-dim parameters] in scalars.py: replicated
     units = plan_units(model, cfg.wrap_modules, cfg.unit_size, cfg.stage)  # [Note: units below stage 3]
     module_policies = dict(module_policies or {})
     wire = _wire_dtypes(mesh, cfg, mp_policy, module_policies)
@@ -230,7 +232,7 @@ def apply_zero(
     for group, policy in plan:
         reshard = False if id(group) in kept else _reshard_after_forward(cfg, group.numel)
         fully_shard(group.target, mesh=mesh, reshard_after_forward=reshard,
-                    mp_policy=policy, offload_policy=offload_policy)
+                    mp_policy=policy, offload_policy=offload_policy, ignored_params=scalars or None)
         comm_dtype = getattr(policy, "comm_dtype", None)
         if comm_dtype is not None:  # [precision] see [Note: stage 1 accumulation dtype] in comm.py
             group.modules[0].set_custom_reduce_scatter(LowPrecisionReduceScatter(comm_dtype))
@@ -238,7 +240,9 @@ def apply_zero(
                 group.modules[0], mesh.get_group(), reduce_scatter=comm_dtype is None, overlap=overlap):
             gloo.append(group)
         groups.append(group)
-    fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy,
+                ignored_params=scalars or None)
+    average_scalar_gradients(scalars, mesh)
     if mesh.ndim == 1 and install_gloo_comms(model, mesh.get_group(), overlap=overlap) and overlap and gloo:
         _prefetch_forward_on_gloo(model, gloo)
     if wire:  # [Note: one group, two wire dtypes] in comm.py; a safe module's submodules are it

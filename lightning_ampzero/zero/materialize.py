@@ -29,7 +29,8 @@ def built_outside_note(module: nn.Module) -> Optional[str]:
     Such a model is sharded after the fact, as stages 0-2 do; it only cost each rank the whole
     model while it was built.
     """
-    built = [(n, p) for n, p in module.named_parameters() if not p.is_meta]
+    # 0-dim parameters are built whole on purpose (nothing to shard: [Note: 0-dim parameters] in scalars.py)
+    built = [(n, p) for n, p in module.named_parameters() if not p.is_meta and p.dim() > 0]
     if not built:
         return None
     numel = sum(p.numel() for _, p in built)
