@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -135,3 +137,15 @@ def test_materialize_initialises_bottom_up():
     materialize_meta_(lazy, torch.device("cpu"))
     for (n, p), q in zip(eager.named_parameters(), lazy.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_the_note_on_units_merged_by_a_shared_parameter_names_the_parameter():
+    # It read "0.0, 0.2, 2.0, 2.2 share a parameter": modules that hold none of it were named as sharing it.
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)) for _ in range(3)])
+    model[2][2].weight = model[0][0].weight
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        units = plan_units(model, (), 100, 3)
+    assert ["0.0", "2.2"] in [u.names for u in units]
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith("0.0.weight and 2.2.weight are one parameter, so the units holding them (0.0, 2.2)")

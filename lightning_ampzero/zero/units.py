@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import torch.distributed as dist
 from torch import nn
 
 
@@ -333,12 +334,13 @@ def _merge_shared(root: nn.Module, units: list[Unit], unit_size: int, stage: int
         unit = Unit([m for _, m in pairs], [n for n, _ in pairs], 0)
         out.append(unit)
         unit.numel = _region_numel(unit, units)
-        if stage == 3 and unit.numel > max(unit_size, *(units[i].numel for i in members)):
-            reason = next((why[i] for i in members if i in why), "a parameter")
+        rank_zero = not dist.is_initialized() or dist.get_rank() == 0  # every rank plans alike; one says so
+        if stage == 3 and rank_zero and unit.numel > max(unit_size, *(units[i].numel for i in members)):
+            reason = next((why[i] for i in members if i in why), "a shared parameter")
             warnings.warn(
-                f"{', '.join(unit.names)} share a parameter ({reason}), so they are one FSDP2 unit of"
-                f" {unit.numel:,} elements (zero.reduce_bucket_size allows {unit_size:,}): stage 3 keeps it"
-                " gathered from the first of these modules to run until the last.", stacklevel=3,
+                f"{reason} are one parameter, so the units holding them ({', '.join(unit.names)}) are one FSDP2"
+                f" unit of {unit.numel:,} elements (zero.reduce_bucket_size allows {unit_size:,}): stage 3 keeps"
+                " it gathered from the first of these modules to run until the last.", stacklevel=3,
             )
     for unit in out:
         unit.numel = _region_numel(unit, out)
