@@ -173,10 +173,9 @@ class _CheckpointedForward:
                 f"activation checkpointing: the checkpointed block {self.name!r} was called in training with a"
                 f" key/value cache (keyword arguments {', '.join(sorted(changed))}). Backward re-runs the block,"
                 " which would fill the cache a second time (Hugging Face's T5 then stopped with CheckpointError),"
-                " so checkpointed blocks run"
-                f" without it: {', '.join(f'{k}={v}' for k, v in sorted(changed.items()))}, as Hugging Face's"
-                " gradient_checkpointing_enable() does. Pass use_cache=False to the model in training_step to"
-                " silence this."
+                f" so checkpointed blocks run without it: {', '.join(f'{k}={v}' for k, v in sorted(changed.items()))},"
+                " as Hugging Face's gradient_checkpointing_enable() does. Pass use_cache=False to the model in"
+                " training_step to silence this."
             )
         return {**kwargs, **changed}
 
@@ -211,18 +210,18 @@ class _CheckpointedForward:
 # after it: the step then updates them once, as without checkpointing. All of them, not only those
 # whose version counter moved: BatchNorm's kernel updates its running statistics without counting
 # it. Non-persistent buffers (causal masks, rotary tables) are caches, not state, and are left alone.
+def _persistent_buffers(block: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(buffer, buffer.detach().clone())
+            for module in block.modules() for name, buffer in module._buffers.items()
+            if buffer is not None and name not in module._non_persistent_buffers_set]
+
+
 def _outside_checkpoint() -> Any:
     """Ops the recomputation must not count: ``selective`` replays the forward under a dispatch mode
     that stops at any op the forward did not run (torch 2.13 ``_CachedTorchDispatchMode``)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
-
-
-def _persistent_buffers(block: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(buffer, buffer.detach().clone())
-            for module in block.modules() for name, buffer in module._buffers.items()
-            if buffer is not None and name not in module._non_persistent_buffers_set]
 
 
 class ActivationCheckpointing:
