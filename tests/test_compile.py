@@ -184,6 +184,32 @@ def test_a_hugging_face_decoder_compiles_one_graph_for_all_its_layers(ac):
         torch._dynamo.reset()
 
 
+def test_blocks_that_are_sequentials_of_built_in_layers_compile_as_blocks():
+    # They were found as their inner Linears: one tiny graph per layer shape, nothing fused.
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from lightning_ampzero.torch_compile import apply_compile
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                                      torch.nn.Linear(32, 16)) for _ in range(4)])
+    eager = torch.nn.Sequential(torch.nn.Linear(8, 16), *blocks, torch.nn.Linear(16, 2))
+    model = copy.deepcopy(eager)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        assert apply_compile(model, CompileConfig(enabled=True)) == ["1", "2", "3", "4"]
+        model(x).square().sum().backward()
+        eager(x).square().sum().backward()
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_nothing_to_compile_and_unknown_backends_are_errors():
     from lightning_ampzero.torch_compile import apply_compile
 

@@ -256,8 +256,8 @@ def _status_kib(key: str) -> int:
 def _rss(rank: int, world: int, root: str, swap: bool, count: int, size: float) -> dict:
     from lightning_ampzero.estimate import estimate, model_size
 
-    # One block's two Linears per unit (blocks are Sequentials, so the units are packed Linears);
-    # the head is a unit of its own, not packed into the last block's (which would need a third buffer).
+    # One block (a Sequential of two Linears) per unit; the head is a unit of its own, not
+    # packed into the last block's (which would need a third buffer).
     unit = 2 * RSS_WIDTH * RSS_HIDDEN + RSS_WIDTH + RSS_HIDDEN
     # The baseline is taken after one step of a small model with the same settings: the first
     # fully_shard and step import and initialise about 100 MiB of libraries (measured: torch's

@@ -22,6 +22,22 @@ def test_auto_wrap_finds_transformer_blocks_not_their_linears():
     assert [[n for n, _ in r] for r in leftover_modules(model, find_blocks(model, ()))] == [["wte", "wpe"], ["ln_f", "head"]]
 
 
+def test_auto_wrap_finds_repeated_sequentials_of_built_in_layers_not_their_layers():
+    # Every nn.Sequential is one class, so by class alone such blocks had no composite kind and
+    # their Linears became the blocks (compile and checkpointing then worked per layer).
+    mlp = lambda: nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))  # noqa: E731
+    model = nn.Sequential(nn.Linear(8, 16), nn.ModuleList([mlp() for _ in range(3)]), nn.Linear(16, 2))
+    assert [n for n, _ in find_blocks(model, ())] == ["1.0", "1.1", "1.2"]
+    convs = nn.Sequential(*[nn.Sequential(nn.Conv2d(3, 3, 3), nn.BatchNorm2d(3), nn.ReLU()) for _ in range(2)])
+    assert [n for n, _ in find_blocks(convs, ())] == ["0", "1"]
+    # Sequentials of different layouts are not repeats of one block; their repeated layers are.
+    mixed = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    assert [n for n, _ in find_blocks(mixed, ())] == ["0.0", "1.0"]
+    # A model made only of leaf layers keeps its leaves.
+    flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert [n for n, _ in find_blocks(flat, ())] == ["0", "2"]
+
+
 def test_wrap_modules_by_class_name_and_typo():
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2))
     assert [n for n, _ in find_blocks(model, ("CausalSelfAttention",))] == ["blocks.0.attn", "blocks.1.attn"]
@@ -146,6 +162,6 @@ def test_the_note_on_units_merged_by_a_shared_parameter_names_the_parameter():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         units = plan_units(model, (), 100, 3)
-    assert ["0.0", "2.2"] in [u.names for u in units]
+    assert ["0", "2"] in [u.names for u in units]  # the blocks are the inner Sequentials
     (message,) = [str(w.message) for w in caught]
-    assert message.startswith("0.0.weight and 2.2.weight are one parameter, so the units holding them (0.0, 2.2)")
+    assert message.startswith("0.0.weight and 2.2.weight are one parameter, so the units holding them (0, 2)")

@@ -33,19 +33,34 @@ def _param_numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def repeated_block_classes(root: nn.Module) -> set[type]:
-    """Classes that occur at least twice as children of a ModuleList/Sequential: transformer blocks and alike."""
-    counts: Counter[type] = Counter()
+def block_kind(module: nn.Module) -> object:
+    """What makes two modules repeats of one block: their class, or for a plain ``nn.Sequential`` its layout.
+
+    Every ``nn.Sequential`` is one class, so the class alone cannot tell a repeated
+    ``Sequential(Linear, GELU, Linear)`` block from the container that holds the blocks. Taken
+    by class, such a model had no composite block and its inner ``Linear``s became the blocks
+    (a new-user trial, issue 16's note): compile then compiled each ``Linear`` alone (nothing, in
+    practice) and checkpointing saved every layer's input. A subclass of ``nn.Sequential`` is a
+    class the user wrote and is taken by its class, as any other module.
+    """
+    if type(module) is nn.Sequential:
+        return (nn.Sequential, tuple(block_kind(child) for child in module.children()))
+    return type(module)
+
+
+def repeated_block_classes(root: nn.Module) -> set[object]:
+    """Kinds (:func:`block_kind`) that occur at least twice as children of a ModuleList/Sequential: transformer blocks and alike."""
+    counts: Counter[object] = Counter()
     for module in root.modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             for child in module.children():
                 if _param_numel(child) > 0:
-                    counts[type(child)] += 1
-    repeated = {cls for cls, n in counts.items() if n >= 2 and cls not in (nn.ModuleList, nn.Sequential)}
+                    counts[block_kind(child)] += 1
+    repeated = {kind for kind, n in counts.items() if n >= 2 and kind is not nn.ModuleList}
     # Prefer composite blocks (a transformer block) over the leaf layers repeated inside them
     # (the two Linears of an MLP); a model made only of leaf layers keeps its leaves.
-    composite = {cls for cls in repeated if any(
-        any(True for _ in child.children()) for child in root.modules() if type(child) is cls
+    composite = {kind for kind in repeated if any(
+        any(True for _ in child.children()) for child in root.modules() if block_kind(child) == kind
     )}
     return composite or repeated
 
@@ -64,8 +79,8 @@ def find_blocks(root: nn.Module, wrap_modules: tuple[str, ...]) -> list[tuple[st
             )
         match = lambda m: type(m).__name__ in wrap_modules  # noqa: E731
     else:
-        classes = repeated_block_classes(root)
-        match = lambda m: type(m) in classes  # noqa: E731
+        kinds = repeated_block_classes(root)
+        match = lambda m: block_kind(m) in kinds  # noqa: E731
 
     blocks: list[tuple[str, nn.Module]] = []
     inside: set[int] = set()
