@@ -11,6 +11,9 @@ the stage and ZeRO settings of ``AmpZeroStrategy``. On every rank it measures
   post-backward (the unit's unsharded gradients not yet reduce-scattered);
 * activations: bytes of the tensors one micro-batch's forward saved for backward (parameters
   excluded, each storage once), on the second micro-batch of training;
+* host memory the offload holds (``offloaded``: an offloading optimizer's host store or NVMe
+  buffers, the parameter swapper's read pool); states offloaded to a swap file are on the drive
+  and counted nowhere, and the estimate is of the run's offload option;
 * peak resident memory of the process (``ru_maxrss``).
 
 Every ``log_every_n_steps`` optimizer steps the figures of all ranks are gathered and logged
@@ -37,12 +40,13 @@ from lightning_ampzero.estimate import (
     estimate,
     format_bytes,
     model_size,
+    offload_option,
 )
 from lightning_ampzero.memory import as_zero_categories, fsdp_param_groups, measure_model_state, unsharded_grad_bytes
 
 __all__ = ["MemoryReport"]
 
-_CATEGORIES = ("params", "grads", "optimizer", "working", "model_states", "activations", "peak_rss")
+_CATEGORIES = ("params", "grads", "optimizer", "working", "model_states", "offloaded", "activations", "peak_rss")
 _SAMPLE_FIRST_STEPS = 3
 
 
@@ -122,7 +126,8 @@ class MemoryReport(Callback):
     # -- measuring ---------------------------------------------------------------------
     def _sample(self, trainer: Any, pl_module: nn.Module) -> None:
         m = measure_model_state(pl_module, trainer.optimizers)
-        self._peak_total = max(self._peak_total, sum(m.values()))
+        # Model states on the device: what the offload holds in host memory is reported beside them.
+        self._peak_total = max(self._peak_total, sum(v for k, v in m.items() if k != "offloaded"))
         # The estimate's stage-3 working set is what a unit holds while it runs: its gathered
         # parameters and its unsharded gradients, in the same sample (separate peaks would not add up).
         unsharded = unsharded_grad_bytes(pl_module)
@@ -213,7 +218,7 @@ class MemoryReport(Callback):
             "stage": _stage(trainer),
             "world_size": trainer.world_size,
             "per_rank": ranks,
-            "estimate": est.as_dict() if est is not None else None,
+            "estimate": {**est.as_dict(), "cpu_per_rank": _host_per_rank(est, trainer)} if est is not None else None,
             "activation_estimate": (self.activation_estimate.bytes(self.checkpointing)
                                     if self.activation_estimate is not None else None),
         }
@@ -238,7 +243,7 @@ class MemoryReport(Callback):
             grads = float(self._peak.get("grads_sharded", 0))
         return [
             params, grads,
-            float(cats.optimizer if cats else 0), working, float(self._peak_total),
+            float(cats.optimizer if cats else 0), working, float(self._peak_total), float(self._peak.get("offloaded", 0)),
             float(self._activations if self._activations is not None else -1), float(_peak_rss_bytes()),
         ]
 
@@ -273,6 +278,7 @@ class MemoryReport(Callback):
             for k, v in (("params", est.gpu_params), ("grads", est.gpu_grads), ("optimizer", est.gpu_optimizer),
                          ("working", est.gpu_working), ("model_states", est.gpu)):
                 metrics[f"memory/estimate/{k}_mib"] = v / 2**20
+            metrics["memory/estimate/offloaded_mib"] = _host_per_rank(est, trainer) / 2**20
         if self.activation_estimate is not None:
             metrics["memory/estimate/activations_mib"] = self.activation_estimate.bytes(self.checkpointing) / 2**20
         for logger in trainer.loggers:
@@ -287,10 +293,17 @@ class MemoryReport(Callback):
         try:
             size = model_size(pl_module, zero)
             nodes = max(1, int(getattr(trainer, "num_nodes", 1)))
-            return estimate(size, _stage(trainer), gpus_per_node=max(1, trainer.world_size // nodes), nodes=nodes,
-                            precision=precision, optimizer=self.optimizer or _infer_optimizer(trainer), zero=zero)
+            offload = getattr(config, "offload", None)
+            return estimate(size, _stage(trainer), offload_option(offload) if offload is not None else "none",
+                            gpus_per_node=max(1, trainer.world_size // nodes), nodes=nodes, precision=precision,
+                            optimizer=self.optimizer or _infer_optimizer(trainer), zero=zero, buffers=offload)
         except ValueError:
             return None
+
+
+def _host_per_rank(est: Estimate, trainer: Any) -> int:
+    """The estimate's host memory (per node) for one rank: what ``offloaded`` measures."""
+    return est.cpu // max(1, trainer.world_size // max(1, int(getattr(trainer, "num_nodes", 1))))
 
 
 def _stage(trainer: Any) -> int:
@@ -320,18 +333,24 @@ def render_memory_report(report: dict[str, Any], console: Any = None) -> None:
     caption = ("model states: the largest total at one moment; the categories peak at different moments, so it can"
                " be below their sum, which the estimate gives")
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
-    for col in ("rank", "params", "grads", "optimizer", "working set", "model states", "activations", "peak RSS"):
+    offloaded = any(r.get("offloaded") for r in report["per_rank"]) or bool((report.get("estimate") or {}).get("cpu"))
+    cols = ("rank", "params", "grads", "optimizer", "working set", "model states", "offloaded (host)", "activations",
+            "peak RSS")
+    for col in cols if offloaded else [c for c in cols if c != "offloaded (host)"]:
         table.add_column(col, justify="right")
+    host = (lambda b: [format_bytes(b) if b else ""]) if offloaded else (lambda b: [])
     for r in report["per_rank"]:
         table.add_row(str(r["rank"]), format_bytes(r["params"]), format_bytes(r["grads"]),
                       format_bytes(r["optimizer"]), format_bytes(r["working"]) if r["working"] else "",
-                      format_bytes(r["model_states"]),
+                      format_bytes(r["model_states"]), *host(r.get("offloaded")),
                       format_bytes(r["activations"]), format_bytes(r["peak_rss"]))
     est = report.get("estimate")
     if est:
         table.add_row("estimate", format_bytes(est["gpu_params"]), format_bytes(est["gpu_grads"]),
                       format_bytes(est["gpu_optimizer"]), format_bytes(est["gpu_working"]), format_bytes(est["gpu"]),
-                      format_bytes(report.get("activation_estimate")), "", style="italic")
+                      *host(est.get("cpu_per_rank")), format_bytes(report.get("activation_estimate")), "",
+                      style="italic")
         if est.get("deepspeed_gpu") is not None:
-            table.add_row("DeepSpeed", "", "", "", "", format_bytes(est["deepspeed_gpu"]), "", "", style="dim")
+            table.add_row("DeepSpeed", "", "", "", "", format_bytes(est["deepspeed_gpu"]), *host(None), "", "",
+                          style="dim")
     console.print(table)

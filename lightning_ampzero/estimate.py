@@ -352,6 +352,16 @@ def _stage3_gathered(size: ModelSize, zero: ZeroConfig) -> int:
     return min(size.numel, persistent + peak)
 
 
+def offload_option(config: OffloadConfig) -> str:
+    """The :data:`OFFLOADS` option a run's :class:`~lightning_ampzero.config.OffloadConfig` is (the
+    inverse of what ``ampzero-estimate --plan`` prints). Parameters offloaded with the optimizer on
+    another device have no option of their own: the drive, if either uses it, is the one estimated."""
+    param, opt = config.offload_param, config.offload_optimizer
+    if param != "none":
+        return f"params+optimizer={'nvme' if 'nvme' in (param, opt) else 'cpu'}"
+    return "none" if opt == "none" else f"optimizer={opt}"
+
+
 def estimate(
     size: ModelSize,
     stage: int,
@@ -380,9 +390,11 @@ def estimate(
       states and the fp32 shard;
     * stage 3: (4 + 4 + S)Ψ/N, plus the gathered working set c·(unit in use + prefetched units +
       persistent units) and u·U.
-    * ``optimizer=cpu``: the optimizer column leaves the GPU; the host holds per rank the states,
+    * ``optimizer=cpu``: the optimizer states leave the GPU; the host holds per rank the states,
       an fp32 master copy and the fp32 gradient shard the CPU optimizer steps with
-      ((S + 8)·Ψ/N: 16Ψ/N for Adam, DeepSpeed's 16).
+      ((S + 8)·Ψ/N: 16Ψ/N for Adam, DeepSpeed's 16). At stages 1-2 the GPU keeps the fp32
+      parameter shard (4Ψ/N, the optimizer column): FSDP2 gathers from it, and the host step
+      writes the updated master back into it.
     * ``params+optimizer=cpu`` (stage 3): the GPU keeps only the working set; the fp32 shard on
       the host is the master itself (DeepSpeed keeps a 16-bit shard there too: its 18).
     * ``nvme``: what ``cpu`` puts in host memory goes to NVMe, except the gradient shard;
@@ -434,7 +446,9 @@ def estimate(
     kind, _, device = offload.partition("=")
     grads = _grads_swapped(stage, offload, buffers)
     if kind != "none":
-        gpu_opt = 0
+        # Stages 1-2 keep the fp32 shard FSDP2 shards the parameters into on the device (the host
+        # step copies the updated master back into it); stage 3 counts it with the parameters.
+        gpu_opt = FP32 * shard if stage in (1, 2) else 0
         if kind == "params+optimizer":
             gpu_params = gpu_grads = 0
         if device == "cpu":

@@ -84,6 +84,11 @@ class _Storages:
     def __init__(self) -> None:
         self.seen: set[int] = set()
 
+    def skip(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count these tensors' storages (memory that is not the model's: offload's)."""
+        for t in tensors:
+            self.add(t)
+
     def add(self, t: Optional[torch.Tensor]) -> int:
         if t is None or not isinstance(t, torch.Tensor):
             return 0
@@ -114,10 +119,22 @@ def _fsdp_params(module: nn.Module) -> list:
 def measure_model_state(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
     """Bytes of parameters (sharded, gathered), gradients and optimizer state held now on this rank.
 
-    Returns ``params_sharded``, ``params_gathered``, ``grads`` and ``optimizer``.
+    Returns ``params_sharded``, ``params_gathered``, ``grads``, ``optimizer`` and ``offloaded``.
+    Offload (lightning_ampzero.offload) is not counted where it put the states: shards and gradients in
+    a swap file are on the drive, and an offloading optimizer's master weights and moments are in its
+    store. ``offloaded`` is the host memory the offload holds instead: the store's host copy or NVMe
+    buffers, the parameter swapper's read pool (what the estimate's ``cpu`` column counts).
     """
+    from lightning_ampzero.offload.grads import grad_swapper
+    from lightning_ampzero.offload.params import param_swapper
+
     seen = _Storages()
     sharded = gathered = grads = 0
+    swapped_params = param_swapper(module)
+    for swapper in (swapped_params, grad_swapper(module)):
+        if swapper is not None:
+            seen.skip(swapper.held_tensors())
+    offloaded = swapped_params.resident_bytes() if swapped_params is not None else 0
     fsdp = _fsdp_params(module)
     covered: set[int] = set()
     for fp in fsdp:
@@ -141,10 +158,14 @@ def measure_model_state(module: nn.Module, optimizers: Iterable[torch.optim.Opti
     opt_bytes = 0
     for opt in optimizers:
         opt = getattr(opt, "_optimizer", opt)  # LightningOptimizer
+        if hasattr(opt, "host_bytes"):  # OffloadedAdam: its state is views of its store
+            offloaded += opt.host_bytes()
+            continue
         for state in opt.state.values():
             for v in state.values():
                 opt_bytes += seen.add(v)
-    return {"params_sharded": sharded, "params_gathered": gathered, "grads": grads, "optimizer": opt_bytes}
+    return {"params_sharded": sharded, "params_gathered": gathered, "grads": grads, "optimizer": opt_bytes,
+            "offloaded": offloaded}
 
 
 def unsharded_grad_bytes(module: nn.Module) -> int:

@@ -175,9 +175,11 @@ def test_nvme_traffic_and_buffers():
 
 
 def test_offload_stage2_and_zero_init():
-    # stage 2 optimizer offload keeps the gathered params and sharded grads (+ a unit's) on the GPU
+    # stage 2 optimizer offload keeps the gathered params, sharded grads (+ a unit's) and the fp32
+    # parameter shard FSDP2 gathers from on the GPU (measured: test_memory_report_counts_offload_...)
     e = _est(2, "optimizer=cpu")
-    assert (e.gpu, e.cpu) == (4 * PSI + 4 * PSI // N + 4 * L, 16 * PSI)
+    assert (e.gpu, e.cpu) == (4 * PSI + 4 * PSI // N + 4 * PSI // N + 4 * L, 16 * PSI)
+    assert e.gpu_optimizer == 4 * PSI // N
     # a model built whole on every process's CPU first (no zero_init): 4Ψ fp32 per process
     assert _est(1, zero_init=False).cpu == N * 4 * PSI
     # stage 3 accepts a model built in __init__ (sharded after the fact): it was whole on every CPU
@@ -389,7 +391,7 @@ def _act() -> ActivationTrace:
 
 def test_plan_choice_and_rejections():
     # model states per GPU (fp32, N = 4): stage 0 20e6, 1 11e6, 2 8.4e6, 3 5.2e6; with optimizer=cpu
-    # stage 1 8e6, 2 5.4e6, 3 3.2e6; params+optimizer 1.2e6. Plus 1e6 / 0.4e6 of activations.
+    # stage 1 9e6, 2 6.4e6 (both keep the fp32 shard), 3 3.2e6; params+optimizer 1.2e6. Plus 1e6 / 0.4e6 of activations.
     kw = dict(gpus_per_node=N, zero=NO_PREFETCH, activations=_act())
     # 7e6 per GPU: stages 0-2 do not fit with or without recompute; stage 3 without it does (6.2e6)
     p = plan(SIZE, 7_000_000, 10**12, **kw)
@@ -544,6 +546,46 @@ def test_memory_report_callback_single_process(tmp_path, capsys):
     assert float(logged[-1]["memory/rank0/params_mib"]) == pytest.approx(4 * psi / 2**20)
     assert float(logged[-1]["memory/estimate/model_states_mib"]) == pytest.approx(r["estimate"]["gpu"] / 2**20)
     assert "memory per rank, ZeRO stage 0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["cpu", "nvme"])
+def test_memory_report_counts_offloaded_optimizer_state_as_host_memory(tmp_path, where):
+    # It counted the offloaded states as the device's optimizer column (the NVMe ones through their
+    # memory maps) and estimated without offload: 12Ψ/N of "optimizer" against an estimate of 8Ψ/N.
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_ampzero.callbacks import MemoryReport
+    from lightning_ampzero.config import OffloadConfig
+    from lightning_ampzero.estimate import nvme_buffer_bytes
+    from lightning_ampzero.models.gpt import GPTModule
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64)
+    offload = OffloadConfig(offload_optimizer=where, nvme_path=str(tmp_path) if where == "nvme" else None)
+    report = MemoryReport(log_every_n_steps=0, print_table=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[report], logger=False,
+                         strategy=AmpZeroStrategy(stage=2, offload=offload), enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    pl.seed_everything(0, verbose=False)
+    tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
+    trainer.fit(GPTModule(model=cfg), DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]),
+                                                 batch_size=2))
+    psi = gpt_size(cfg).numel
+    (rank,), est = report.report["per_rank"], report.report["estimate"]
+    assert est["offload"] == f"optimizer={where}"
+    # the device keeps the fp32 shard FSDP2 gathers from (one rank: the whole model), not the states
+    assert rank["optimizer"] == est["gpu_optimizer"] == 4 * psi
+    # host memory: master + moments (12Ψ), or NVMe's tiles; gradients are host fp32 on CPU, not staged
+    # (NVMe tiles no larger than the largest parameter group, which the estimate bounds by the shard)
+    tiles = sum(nvme_buffer_bytes(gpt_size(cfg), 1, offload, params=False))
+    if where == "cpu":
+        assert rank["offloaded"] == 12 * psi
+    else:
+        assert 0 < rank["offloaded"] <= tiles
+    # the estimate's host figure adds the gradient shard an accelerator stages for the host step
+    assert est["cpu_per_rank"] == 4 * psi + (12 * psi if where == "cpu" else tiles)
+    assert rank["model_states"] <= rank["params"] + rank["grads"] + rank["optimizer"] + rank["working"]
 
 
 # ---------------------------------------------------------------------------------------

@@ -299,6 +299,10 @@ class GradSwapper:
         for lo in range(0, entry.nbytes, zeros.numel()):
             self._pwrite(zeros[: min(zeros.numel(), entry.nbytes - lo)], entry.file_offset + lo)
 
+    def held_tensors(self) -> list[Tensor]:
+        """Views of the file's map (gradient shards on the drive): a measurement of the model skips them."""
+        return [e.view for e in self._entries.values()]
+
     def resident_bytes(self) -> int:
         """Bytes of gradient shards held in memory now, not in the file (tracked, not measured)."""
         total = 0

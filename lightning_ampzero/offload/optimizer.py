@@ -163,6 +163,11 @@ class OffloadedAdam(Optimizer):
         self._grad_buffer: Optional[Tensor] = None
         self._load_master_from_params()
 
+    def host_bytes(self) -> int:
+        """Host memory held now: the store's (host copy, or NVMe tiles) and the tile gradients are copied into."""
+        staged = self._grad_buffer.untyped_storage().nbytes() if self._grad_buffer is not None else 0
+        return self.store.resident_bytes() + staged
+
     # ---- torch.optim.Optimizer surface -----------------------------------------------------------
     @property
     def state(self) -> Mapping:  # type: ignore[override]

@@ -486,6 +486,11 @@ class ParamSwapper:
         """Host memory the pool can hold (allocated lazily: what reads have filled counts in RSS)."""
         return self.buffer_count * self.buffer_bytes
 
+    def held_tensors(self) -> list[Tensor]:
+        """Tensors whose storages are this swapper's, not the model's: the file's map (on the drive, paged
+        in on read) and the pool (:meth:`resident_bytes`). A measurement of the model skips them."""
+        return [self._map, *self.buffers]
+
     def unlink(self) -> None:
         """Remove the swap file's name (end of fit): the data stays reachable through the open file and
         its map, so the model keeps working, and the space is freed when the process ends, however it
