@@ -465,6 +465,28 @@ def test_cli_estimate_from_gpt(capsys):
     assert "Activations per GPU (micro-batch 2 x 32 tokens" in capsys.readouterr().out
 
 
+def test_cli_estimate_from_a_hugging_face_config(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=2, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
+    config.save_pretrained(tmp_path)
+    assert main(["--hf-config", str(tmp_path), "--micro-batch", "2", "--seq-len", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    torch.manual_seed(0)
+    real = transformers.LlamaForCausalLM(config)  # counted the same on a real model: the meta build is that model
+    size = model_size(real)
+    assert (out["model"]["numel"], out["model"]["largest_unit"]) == (size.numel, size.largest_unit)
+    assert out["model"]["numel"] == sum(p.numel() for p in real.parameters())
+    assert 0 < out["activations"]["full"] < out["activations"]["none"]
+    # a base model has no loss to trace a step with: said, with the way out
+    transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=32, architectures=["BertModel"]).save_pretrained(tmp_path / "bert")
+    assert main(["--hf-config", str(tmp_path / "bert" / "config.json")]) == 0
+    assert "Activations: not traced: BertModel(input_ids, labels) gives no loss" in capsys.readouterr().out
+    assert main(["--hf-config", str(tmp_path / "bert"), "--hf-class", "BertForMaskedLM", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["activations"]["none"] > 0
+
+
 def test_cli_plan(capsys):
     base = ["plan", "--params", "1e6", "--largest-layer", "1e5", "--gpus-per-node", "4", "--zero", "prefetch_bucket_size=0",
             "--gpu-headroom", "0", "--cpu-headroom", "0", "--cpu-memory", "1TB"]
@@ -483,8 +505,10 @@ def test_cli_plan(capsys):
     (["--params", "abc", "--largest-layer", "1e5"], "--params='abc' is not a count"),
     (["--params", "1e6"], "--params needs --largest-layer"),
     (["--params", "1e6", "--largest-layer", "1e7"], "cannot exceed the whole model"),
-    (["--params", "1e6", "--largest-layer", "1e5", "--model", "gpt"], "either as counts"),
-    ([], "either as counts"),
+    (["--params", "1e6", "--largest-layer", "1e5", "--model", "gpt"], "give the model one way: as counts"),
+    ([], "give the model one way: as counts"),
+    (["--hf-config", "/nonexistent/model"], "/nonexistent/model does not exist: give a local model directory"),
+    (["--params", "1e6", "--largest-layer", "1e5", "--hf-class", "LlamaForCausalLM"], "--hf-class goes with"),
     (["--model", "gpt", "--largest-layer", "1e5"], "--largest-layer / --largest-unit go with --params"),
     (["--params", "1e6", "--largest-layer", "1e5", "--zero", "prefetch_bucket=0"], "Did you mean 'prefetch_bucket_size'"),
     (["--params", "1e6", "--largest-layer", "1e5", "--precision", "fp8"], "invalid choice: 'fp8'"),

@@ -22,6 +22,8 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
+import torch
+
 from lightning_ampzero.config import STAGES, OffloadConfig, ZeroConfig
 from lightning_ampzero.estimate import (
     CHECKPOINTING,
@@ -36,8 +38,10 @@ from lightning_ampzero.estimate import (
     format_count,
     gpt_activations,
     gpt_size,
+    model_size,
     parse_bytes,
     parse_count,
+    trace_activations,
 )
 from lightning_ampzero.planner import ACCELERATORS, PLAN_ORDER, Plan, host_on_cpu, plan
 
@@ -129,14 +133,20 @@ def _factor(text: str) -> float:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    src = p.add_argument_group("model (give --params or --model)")
+    src = p.add_argument_group("model (give --params, --model or --hf-config)")
     src.add_argument("--params", type=_count("--params"), help="parameter count Ψ, e.g. 7e9, 1.3B, 350M")
     src.add_argument("--largest-layer", type=_count("--largest-layer"),
                      help="parameters of the largest layer (DeepSpeed's L); needed with --params")
     src.add_argument("--largest-unit", type=_count("--largest-unit"),
-                     help="with --params: parameters of the largest FSDP2 unit (a transformer block);"
-                          " default --largest-layer")
+                     help="with --params: parameters of the largest FSDP2 unit at stage 3, which is as many"
+                          " consecutive blocks as zero.reduce_bucket_size holds (all of them at the default"
+                          " 5e8), not one block; default --largest-layer. --model or --hf-config finds the units")
     src.add_argument("--model", choices=MODELS, help="build this model on the meta device and count it")
+    src.add_argument("--hf-config", metavar="DIR", help="a Hugging Face model directory (or its config.json), local:"
+                     " build that model on the meta device and count it; activations are traced with"
+                     " input_ids and labels of --micro-batch x --seq-len tokens")
+    src.add_argument("--hf-class", metavar="NAME",
+                     help="with --hf-config: the transformers class (default: the config's architectures[0])")
     src.add_argument("--n-layer", type=_positive_int("--n-layer"), default=4)
     src.add_argument("--n-embd", type=_positive_int("--n-embd"), default=128)
     src.add_argument("--n-head", type=_positive_int("--n-head"), default=4)
@@ -249,10 +259,15 @@ def _buffers(args: argparse.Namespace, p: argparse.ArgumentParser) -> OffloadCon
 
 
 def _model(args: argparse.Namespace, p: argparse.ArgumentParser, zero: ZeroConfig) -> tuple[ModelSize, Optional[ActivationTrace]]:
-    if (args.params is None) == (args.model is None):
-        p.error("give the model either as counts (--params 7e9 --largest-layer 2.6e8) or as --model gpt with its"
-                " sizes (--n-layer, --n-embd, ...), not both.")
+    given = [a for a in ("params", "model", "hf_config") if getattr(args, a) is not None]
+    if len(given) != 1:
+        p.error("give the model one way: as counts (--params 7e9 --largest-layer 2.6e8), as --model gpt with its"
+                " sizes (--n-layer, --n-embd, ...), or as --hf-config DIR (a Hugging Face model directory).")
+    if args.hf_class is not None and args.hf_config is None:
+        p.error("--hf-class goes with --hf-config.")
     try:
+        if args.hf_config is not None:
+            return _hf_model(args, p, zero)
         if args.params is not None:
             if args.largest_layer is None:
                 p.error("--params needs --largest-layer (parameters of the biggest single layer, e.g. the embedding"
@@ -271,6 +286,30 @@ def _model(args: argparse.Namespace, p: argparse.ArgumentParser, zero: ZeroConfi
     except ValueError as e:
         p.error(str(e))
     raise AssertionError
+
+
+def _hf_model(args: argparse.Namespace, p: argparse.ArgumentParser,
+              zero: ZeroConfig) -> tuple[ModelSize, Optional[ActivationTrace]]:
+    """--hf-config: the model on the meta device; activations of a step with ``labels`` when its forward takes them."""
+    try:
+        from lightning_ampzero.hf.export import meta_model
+    except ImportError:  # transformers is not a dependency of the package
+        p.error("--hf-config needs transformers: pip install transformers.")
+    if args.largest_layer is not None or args.largest_unit is not None:
+        p.error("--largest-layer / --largest-unit go with --params; --hf-config finds them in the model.")
+    model = meta_model(args.hf_config, args.hf_class)
+    size = model_size(model, zero, f"{type(model).__name__} ({args.hf_config})")
+    if args.seq_len is None:
+        args.seq_len = args.block_size
+    ids = torch.zeros(args.micro_batch, args.seq_len, dtype=torch.long, device="meta")
+    try:
+        acts = trace_activations(model, lambda m: m(input_ids=ids, labels=ids).loss)
+    except (TypeError, ValueError, AttributeError) as e:  # no labels / no loss: a base model without a head
+        args.no_activations = (f"Activations: not traced: {type(model).__name__}(input_ids, labels) gives no loss"
+                               f" ({type(e).__name__}: {str(e).splitlines()[0][:120]}). Pass --hf-class with a"
+                               " class that has a head, e.g. ...ForCausalLM.")
+        return size, None
+    return size, acts
 
 
 def _console() -> Any:
@@ -373,7 +412,8 @@ def _estimate(argv: Sequence[str]) -> int:
             a.add_row(c, format_bytes(acts.bytes(c)), what[c])
         console.print(a)
     else:
-        console.print("Activations: not estimated from counts; use --model to trace them on the meta device.")
+        console.print(getattr(args, "no_activations", "Activations: not estimated from counts; use --model or"
+                                                         " --hf-config to trace them on the meta device."))
     console.print("GPU = per GPU; CPU and NVMe = per node. Working = gathered parameters and unsharded gradients of the"
                   " units in use (stages 2-3), DDP gradient buckets (stage 0). CPU includes the NVMe swap buffers"
                   " (--offload-config). DeepSpeed has no estimator for stages 0-1 or NVMe ('-').")

@@ -179,6 +179,23 @@ def _model_class(config: Any, name: Optional[str]) -> Any:
     return cls
 
 
+def meta_model(hf_config: str | Path, model_class: Optional[str] = None) -> nn.Module:
+    """The model a Hugging Face config describes, built on the meta device (names, shapes, ties; no memory).
+
+    ``hf_config``: a directory with ``config.json`` or the file itself, local (no download). The class
+    is the config's ``architectures[0]`` unless ``model_class`` names one.
+    """
+    from transformers import AutoConfig
+
+    path = Path(hf_config)
+    if not path.exists():
+        raise ValueError(f"{path} does not exist: give a local model directory (with config.json) or a config.json.")
+    config = AutoConfig.from_pretrained(str(path))
+    cls = _model_class(config, model_class)
+    with torch.device("meta"):
+        return cls._from_config(copy.deepcopy(config)) if hasattr(cls, "_from_config") else cls(config)
+
+
 def _detect_prefix(ckpt_names: Sequence[str], model_names: set[str]) -> str:
     """The prefix under which most checkpoint names are the model's names (e.g. 'model.' for `self.model`)."""
     counts: dict[str, int] = {}
@@ -217,10 +234,8 @@ def export_checkpoint(
 
     ckpt, out = Path(ckpt), Path(out_dir)
     _check_loadable(ckpt)
-    config = AutoConfig.from_pretrained(str(hf_config))
-    cls = _model_class(config, model_class)
-    with torch.device("meta"):  # names, shapes and ties only: nothing is allocated
-        model = cls._from_config(copy.deepcopy(config)) if hasattr(cls, "_from_config") else cls(config)
+    model = meta_model(hf_config, model_class)
+    config, cls = AutoConfig.from_pretrained(str(hf_config)), type(model)  # the config as the user wrote it
     plan = export_plan(model)
     keyed = {e.name: (key, meta) for key, e, meta in checkpoint_entries(ckpt)}
     if prefix is None:
