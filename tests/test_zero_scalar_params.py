@@ -30,6 +30,25 @@ class Net(nn.Module):
         return self.head(self.blocks[2](h)) * self.temperature.exp() * self.frozen
 
 
+class _count_all_reduces:
+    """Counts ``dist.all_reduce`` calls until ``stop()`` (FSDP2 reduces by reduce-scatter, not all-reduce)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.original, self.calls = dist, dist.all_reduce, 0
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self.original(*args, **kwargs)
+
+        dist.all_reduce = counted
+
+    def stop(self) -> int:
+        self.dist.all_reduce = self.original
+        return self.calls
+
+
 def _body(rank, world_size, stage, accumulate, clip):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
@@ -50,16 +69,18 @@ def _body(rank, world_size, stage, accumulate, clip):
             apply_zero(net, init_device_mesh("cpu", (2,)), cfg)
             model, sync_off = net, lambda: no_sync(net, stage)
         opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=0.05)
-        losses = []
+        losses, all_reduces = [], []
         for step in range(4):
             for micro in range(accumulate):
                 x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * rank + 10 * step + micro))
                 loss = model(x).pow(2).mean() / accumulate
+                calls = _count_all_reduces()
                 if micro < accumulate - 1:
                     with sync_off():
                         loss.backward()
                 else:
                     loss.backward()
+                all_reduces.append(calls.stop())
                 losses.append(loss.item())
             if clip and system == "ddp":
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
@@ -70,7 +91,8 @@ def _body(rank, world_size, stage, accumulate, clip):
         out[system] = {"losses": losses,
                        "params": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                                   for n, p in net.named_parameters()},
-                       "scalar_is_plain": type(net.temperature) is nn.Parameter and net.temperature.dim() == 0}
+                       "scalar_is_plain": type(net.temperature) is nn.Parameter and net.temperature.dim() == 0,
+                       "all_reduces": all_reduces}
     return out
 
 
@@ -80,6 +102,8 @@ def test_a_model_with_0_dim_parameters_trains_as_ddp(stage, accumulate, clip):
     for r in spawn(_body, world_size=2, args=(stage, accumulate, clip)):
         ddp, zero = r["ddp"], r["zero"]
         assert zero["scalar_is_plain"]  # replicated, not a DTensor
+        # both trainable scalars' gradients in one all-reduce per backward (it was one each)
+        assert zero["all_reduces"] == [1] * len(zero["losses"])
         diffs = {n: (zero["params"][n] - p).abs().max().item() for n, p in ddp["params"].items()}
         assert zero["params"]["temperature"] != 0.7 and zero["params"]["blocks.1.gate"] != 1.3  # they trained
         if accumulate == 1 and not clip:

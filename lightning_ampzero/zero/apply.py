@@ -242,7 +242,7 @@ def apply_zero(
         groups.append(group)
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy,
                 ignored_params=scalars or None)
-    average_scalar_gradients(scalars, mesh)
+    average_scalar_gradients(scalars, mesh, model)
     if mesh.ndim == 1 and install_gloo_comms(model, mesh.get_group(), overlap=overlap) and overlap and gloo:
         _prefetch_forward_on_gloo(model, gloo)
     if wire:  # [Note: one group, two wire dtypes] in comm.py; a safe module's submodules are it

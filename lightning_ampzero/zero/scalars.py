@@ -6,8 +6,9 @@ parameters"), so stages 1-3 stopped at setup on any model holding one (a new-use
 There is nothing to shard in one element anyway: such parameters are left out of every FSDP2
 group (``ignored_params``) and kept whole on every rank, as DeepSpeed keeps parameters under its
 persistence threshold, and as DDP keeps every parameter. FSDP2 then does not reduce their
-gradients; a hook after each backward's accumulation into ``.grad`` averages them over the ranks
-as DDP does (divided by the world size, then summed), so every rank steps the same value. Under
+gradients; hooks after each backward's accumulation into ``.grad`` average them over the ranks
+as DDP does (divided by the world size, then summed; all of them in one all-reduce at the end of
+the backward, :class:`_Averager`), so every rank steps the same value. Under
 gradient accumulation with stage 1's local micro-batches the hook averages every micro-batch: the
 earlier micro-batches' part is already the same on every rank, and the mean is linear, so the sum
 is the mean of the ranks' sums. The optimizer, clipping (a replicated gradient counts once,
@@ -30,19 +31,55 @@ def scalar_parameters(model: nn.Module) -> set[nn.Parameter]:
     return {p for p in model.parameters() if p.dim() == 0}
 
 
-def average_scalar_gradients(params: set[nn.Parameter], mesh: DeviceMesh) -> None:
-    """Hook each trainable parameter of ``params`` to average its gradient over ``mesh`` (the Note)."""
+class _Averager:
+    """The post-accumulate-grad hook of a model's 0-dim parameters: one all-reduce per backward.
+
+    Each hook that fires records its parameter, and the first of a backward queues one callback
+    on the autograd engine, which runs when the backward ends: it averages every recorded gradient
+    in a single all-reduce per dtype (stacked), not one collective per parameter (a ReZero-style
+    model has a gate per residual branch). The order is the parameters' order in the model, the
+    same on every rank, whatever order the hooks fired in.
+    """
+
+    def __init__(self, params: list[nn.Parameter], group: Optional[dist.ProcessGroup], world: int) -> None:
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.group, self.world = group, world
+        self.ready: list[nn.Parameter] = []
+
+    def __call__(self, param: torch.Tensor) -> None:
+        if param.grad is None:
+            return
+        if not self.ready:
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        self.ready.append(param)  # type: ignore[arg-type]
+
+    def flush(self) -> None:
+        ready, self.ready = sorted(self.ready, key=lambda p: self.index[id(p)]), []
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in ready:
+            assert p.grad is not None
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.stack(grads).div_(self.world)
+            dist.all_reduce(flat, group=self.group)
+            for g, mean in zip(grads, flat.unbind()):
+                g.copy_(mean)
+
+
+def average_scalar_gradients(params: set[nn.Parameter], mesh: DeviceMesh, model: Optional[nn.Module] = None) -> None:
+    """Hook each trainable parameter of ``params`` to average its gradient over ``mesh`` (the Note).
+
+    ``model`` gives the parameters their order (the same on every rank); without it, ``params``
+    must be iterated alike on every rank.
+    """
     group: Optional[dist.ProcessGroup] = mesh.get_group() if mesh.ndim == 1 else None  # 2-D: every rank
     world = dist.get_world_size(group)
     if world == 1:
         return
-
-    def average(param: torch.Tensor) -> None:
-        if param.grad is not None:
-            param.grad.div_(world)
-            dist.all_reduce(param.grad, group=group)
-
-    for p in params:
-        if p.requires_grad and not getattr(p, "_ampzero_averaged", False):
-            p.register_post_accumulate_grad_hook(average)
-            p._ampzero_averaged = True  # type: ignore[attr-defined]  # a second setup adds no second hook
+    trainable = list(dict.fromkeys(  # model.parameters() gives a shared parameter once; dict keeps the order
+        p for p in (model.parameters() if model is not None else params)
+        if p in params and p.requires_grad and not getattr(p, "_ampzero_averaged", False)))
+    averager = _Averager(trainable, group, world)
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(averager)
+        p._ampzero_averaged = True  # type: ignore[attr-defined]  # a second setup adds no second hook
