@@ -58,6 +58,13 @@ class ZeroConfig(FromDict, section="zero"):
             reduce-scatters in flight] in lightning_ampzero/zero/comm.py). Stage 0 (DDP's buckets)
             and CUDA (FSDP2's streams) always overlap, stage 3 on gloo never does: ``False`` there
             has no effect, with a warning.
+        find_unused_parameters: stage 0 (DDP): look, after each backward, for parameters it gave no
+            gradient, so that DDP does not wait for them. ``None`` = under manual optimization only
+            (a GAN backpropagates through one network at a time), as stages 1-3 (FSDP2) allow
+            without asking. ``False`` saves DDP's extra walk of the graph when every backward reaches
+            every parameter (DDP's "find_unused_parameters=True was specified ... but did not find
+            any unused parameters" warning asks for it); ``True`` for automatic optimization of a
+            model whose loss leaves some parameters out. Set only with stage 0.
         timeout_s: process-group timeout in seconds.
         watchdog_s: seconds a rank may go without progress before the hang detector ends the run on
             every live rank, naming the ranks that are missing and where ([Note: hang detection] in
@@ -75,6 +82,7 @@ class ZeroConfig(FromDict, section="zero"):
     hpz_partition_size: int = 1
     wrap_modules: tuple[str, ...] = ()
     overlap_comm: bool = True
+    find_unused_parameters: Optional[bool] = None
     timeout_s: float = 1800.0
     watchdog_s: Optional[float] = None
     process_group_backend: Optional[str] = None
@@ -101,6 +109,15 @@ class ZeroConfig(FromDict, section="zero"):
             )
         if not isinstance(self.overlap_comm, bool):
             raise ValueError(f"zero.overlap_comm must be true or false, got {self.overlap_comm!r}.")
+        if self.find_unused_parameters is not None and not isinstance(self.find_unused_parameters, bool):
+            raise ValueError(f"zero.find_unused_parameters must be true, false or null, got"
+                             f" {self.find_unused_parameters!r}.")
+        if self.find_unused_parameters is not None and self.stage != 0:
+            raise ValueError(
+                f"zero.find_unused_parameters={self.find_unused_parameters} is a stage-0 (DDP) setting, and"
+                f" zero.stage={self.stage}: stages 1-3 (FSDP2) train parameters a backward leaves out without"
+                " it. Remove find_unused_parameters or set stage=0."
+            )
         check_number(owner, "timeout_s", self.timeout_s, minimum=1)
         if self.watchdog_s is not None:
             check_number(owner, "watchdog_s", self.watchdog_s, minimum=0)

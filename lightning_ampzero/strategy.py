@@ -458,9 +458,12 @@ class AmpZeroStrategy(ParallelStrategy):
         # Manual optimization often backpropagates through part of the model at a time (a GAN's
         # two optimizers), as FSDP2 at stages 1-3 and DeepSpeed's stage 0 allow: DDP must look for
         # the parameters each backward leaves out, or it waits for their gradients.
-        manual = self.lightning_module is not None and not self.lightning_module.automatic_optimization
+        # zero.find_unused_parameters=False turns it off for a manual model whose backwards reach every parameter.
+        find = self.config.zero.find_unused_parameters
+        if find is None:
+            find = self.lightning_module is not None and not self.lightning_module.automatic_optimization
         return DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_mb,
-                                       find_unused_parameters=manual)
+                                       find_unused_parameters=find)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -477,7 +480,8 @@ class AmpZeroStrategy(ParallelStrategy):
                 "Stage 0 is DDP, which needs a gradient for every parameter that requires one in every"
                 " backward, and some parameters of this model got none (torch's message is above). Use stage 1,"
                 " 2 or 3, which allow it (FSDP2), freeze the parameters the loss does not use"
-                " (requires_grad=False), or use manual optimization, under which stage 0 looks for them."
+                " (requires_grad=False), or set find_unused_parameters=True (AmpZeroStrategy's keyword,"
+                " zero.find_unused_parameters), under which stage 0 looks for them."
                 " TORCH_DISTRIBUTED_DEBUG=INFO makes torch name them."
             ) from error
 

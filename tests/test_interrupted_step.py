@@ -81,6 +81,7 @@ def test_stage_0_names_the_ways_out_when_a_parameter_gets_no_gradient():
     err = _stopped("--unused0")
     assert "Stage 0 is DDP, which needs a gradient for every parameter" in err
     assert "Use stage 1, 2 or 3" in err and "requires_grad=False" in err
+    assert "set find_unused_parameters=True (AmpZeroStrategy's keyword, zero.find_unused_parameters)" in err
 
 
 def test_a_backward_through_parameters_an_earlier_backward_freed_names_the_ways_out():

@@ -11,6 +11,7 @@ from torch import nn
 from lightning_ampzero.config import AmpZeroConfig, ZeroConfig
 from lightning_ampzero.memory import zero_formula
 from lightning_ampzero.models.gpt import GPT, GPTConfig
+from _spawn import spawn
 from lightning_ampzero.zero.clip import clip_grad_norm_, clip_grad_value_
 from lightning_ampzero.zero.materialize import built_outside_note, materialize_meta_
 from lightning_ampzero.zero.units import find_blocks, group_units, leftover_modules, plan_units
@@ -134,6 +135,36 @@ def test_strategy_arguments_are_the_config_fields():
         AmpZeroStrategy(prefetch_bucket_sise=1)
     with pytest.raises(ValueError, match="zero.stage=5"):
         AmpZeroStrategy(stage=5)
+
+
+def test_find_unused_parameters_is_a_stage_0_setting_with_manual_optimization_as_default():
+    with pytest.raises(ValueError, match="zero.find_unused_parameters=False is a stage-0 .DDP. setting, and"
+                                         " zero.stage=2"):
+        ZeroConfig(find_unused_parameters=False)
+    with pytest.raises(ValueError, match="must be true, false or null, got 'yes'"):
+        ZeroConfig(stage=0, find_unused_parameters="yes")
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    assert AmpZeroStrategy(stage=0, find_unused_parameters=False).config.zero.find_unused_parameters is False
+    found = spawn(_ddp_find_unused, world_size=1)[0]
+    # the default follows the optimization (a GAN's backwards leave a network out); the setting wins
+    assert found == {(None, True): False, (None, False): True, (False, False): False, (True, True): True}
+
+
+def _ddp_find_unused(rank, world_size):
+    import lightning.pytorch as pl
+
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    found = {}
+    for setting, automatic in ((None, True), (None, False), (False, False), (True, True)):
+        module = pl.LightningModule()
+        module.layer = nn.Linear(2, 2)
+        module.automatic_optimization = automatic
+        strategy = AmpZeroStrategy(stage=0, find_unused_parameters=setting, parallel_devices=[torch.device("cpu")])
+        strategy._lightning_module = module
+        found[(setting, automatic)] = strategy._wrap_ddp(module).find_unused_parameters
+    return found
 
 
 def test_stage3_notes_a_model_built_outside_the_sharded_context():
