@@ -25,6 +25,7 @@ Order of transforms in :meth:`AmpZeroStrategy.setup` (each one a function of its
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import shutil
 import time
@@ -236,6 +237,7 @@ class AmpZeroStrategy(ParallelStrategy):
         # method (manual_backward ran inside it), pre_backward prepares it instead (Lightning's ddp).
         self._forward_redirection = _DDPForwardRedirection()
         self._ddp_interrupted = False  # stage 0: a backward raised ([Note: a step interrupted by an exception])
+        self._ddp_trainable: list[tuple[Tensor, bool]] = []  # stage 0: ([Note: parameters unfrozen during training])
         self._device_mesh: Any = None
         self.units: list[Any] = []
         self.activation_checkpointing: Any = None  # what apply_activation_checkpointing did (setup)
@@ -462,8 +464,39 @@ class AmpZeroStrategy(ParallelStrategy):
         find = self.config.zero.find_unused_parameters
         if find is None:
             find = self.lightning_module is not None and not self.lightning_module.automatic_optimization
-        return DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_mb,
-                                       find_unused_parameters=find)
+        ddp = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_mb,
+                                      find_unused_parameters=find)
+        self._ddp_trainable = [(p, p.requires_grad) for p in module.parameters()]
+        return ddp
+
+    def _rewrap_ddp_if_trainable_changed(self) -> None:
+        """Stage 0: a new DDP when parameters were unfrozen or frozen since the last one was built.
+
+        [Note: parameters unfrozen during training] DDP reduces only the parameters that required
+        gradients when it was built. One unfrozen later (Lightning's ``BackboneFinetuning``, a
+        ``requires_grad_(True)`` in a callback) trained on each rank's own gradient, never averaged,
+        so the ranks' copies drifted apart without a word (0.02 after two epochs, a new-user trial,
+        issue 16's note; Lightning's ddp does the same); one frozen later made DDP wait for a
+        gradient that never comes. Stages 1-3 (FSDP2) reduce whatever has a gradient. So before each
+        training step the flags are compared with those DDP was built with (a walk over the
+        parameters: microseconds), and on a change DDP is built again over the same module; its
+        construction broadcasts rank 0's parameters and buffers, as at setup.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(self.model, DistributedDataParallel):
+            return
+        if all(p.requires_grad == flag for p, flag in self._ddp_trainable):
+            return
+        before = sum(flag for _, flag in self._ddp_trainable)
+        module = self.model.module
+        self.model = None  # the old reducer's autograd hooks go with it, before the new one adds its own
+        gc.collect()
+        self.model = self._wrap_ddp(module)
+        self.precision_plugin.setup_ddp(self.model)
+        now = sum(flag for _, flag in self._ddp_trainable)
+        rank_zero_info(f"Stage 0 (DDP): the trainable parameters changed ({before} tensors trained, now {now}), so"
+                       " DDP was built again to average the gradients of those that train now.")
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -471,6 +504,7 @@ class AmpZeroStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._check_ddp_not_interrupted()
+        self._rewrap_ddp_if_trainable_changed()
         try:
             return super().training_step(*args, **kwargs)
         except RuntimeError as error:

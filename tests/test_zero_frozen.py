@@ -138,3 +138,12 @@ def test_frozen_parameters_have_no_gradient_and_no_optimizer_state():
         assert r[1, 10**9]["accumulated"] == 4 * r[1, 10**9]["trainable_full"]
     assert results[0][3, ONE_LAYER]["units"] > 1
     assert ref_losses[-1] < ref_losses[0]
+
+
+def test_parameters_unfrozen_and_frozen_during_training_are_averaged_at_stage_0(tmp_path):
+    # [Note: parameters unfrozen during training] in strategy.py: with Lightning's BackboneFinetuning,
+    # stage 0's ranks ended 0.02 apart (the unfrozen backbone never averaged); stage 1 is the reference.
+    from _scripts import run_json
+
+    out = run_json("unfreeze.py", tmp_path / "unfreeze.json", timeout=600)
+    assert out == {"ranks_0": 0.0, "vs_stage_1_0": 0.0, "ranks_1": 0.0, "vs_stage_1_1": 0.0}, out
