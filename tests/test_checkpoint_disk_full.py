@@ -100,3 +100,27 @@ def test_a_disk_that_fills_during_the_save_fails_cleanly_on_every_rank(small_dis
         assert "The partial save was removed; the previous checkpoint" in second
         assert kept == 1.0
     assert sorted(p.name for p in small_disk.iterdir()) == ["last.ckpt"]
+
+
+def _weights_only_resume(rank: int, world: int, root: str) -> str:
+    from torch import nn
+
+    from lightning_ampzero.checkpoint.sharded import load_sharded
+
+    model = nn.Linear(4, 4)
+    _save(Path(root), {"state_dict": model.state_dict()})  # as ModelCheckpoint(save_weights_only=True) saves
+    opt = torch.optim.AdamW(model.parameters())
+    try:
+        load_sharded(Path(root), model, [opt])
+        message = "loaded with the optimizer"
+    except KeyError as e:
+        message = str(e)
+    load_sharded(Path(root), model, [])  # the weights alone load (trainer.validate(ckpt_path=...))
+    return message
+
+
+def test_resuming_a_weights_only_checkpoint_says_so_as_lightning_does(tmp_path):
+    # It stopped with DCP's "Missing key in checkpoint state_dict: optimizer_0.state..." traceback.
+    for message in spawn(_weights_only_resume, world_size=2, args=(str(tmp_path / "ckpt"),), timeout=180):
+        assert "checkpoint contains only the model" not in message  # the path is named in between
+        assert "contains only the model. This is probably due to `ModelCheckpoint.save_weights_only`" in message

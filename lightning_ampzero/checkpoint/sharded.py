@@ -241,6 +241,15 @@ def load_sharded(
     )
 
     _check_loadable(path)
+    if optimizers and not _holds_optimizer_states(path):
+        # Lightning's own words for a weights-only file (its checks never see a sharded directory's
+        # contents): DCP's "Missing key in checkpoint state_dict: optimizer_0.state..." said nothing useful.
+        raise KeyError(
+            f"Trying to restore optimizer state but checkpoint {path} contains only the model. This is probably due"
+            " to `ModelCheckpoint.save_weights_only` being set to `True`. To start training from these weights,"
+            " load them without ckpt_path (trainer.validate(model, ckpt_path=...) first, then trainer.fit(model)),"
+            " or save with save_weights_only=False to resume."
+        )
     state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt)
@@ -249,3 +258,11 @@ def load_sharded(
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"])
     return torch.load(path / METADATA_FILE, weights_only=bool(weights_only))
+
+
+def _holds_optimizer_states(path: Path) -> bool:
+    """Whether the sharded checkpoint at ``path`` has optimizer entries (not a ``save_weights_only`` one)."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any(key.startswith("optimizer_") for key in keys)
