@@ -63,6 +63,23 @@ def test_live_export_16bit_and_sharded_files(trained):
     assert torch.allclose(got, ref, atol=0.05) and not torch.equal(got, ref)
 
 
+def test_a_lightning_checkpoint_file_that_load_from_checkpoint_loads(trained, tmp_path):
+    # LightningModule.load_from_checkpoint(sharded directory) stops with IsADirectoryError.
+    tmp, out = trained
+    final = next(c for c in out["ckpts"] if "epoch=1" in c)
+    proc = _cli(final, str(tmp_path / "model.ckpt"), "--format", "lightning")
+    assert proc.returncode == 0, proc.stderr
+    module = GPTModule.load_from_checkpoint(tmp_path / "model.ckpt", model=MODEL)
+    x = torch.arange(2 * 32).reshape(2, 32) % 256
+    with torch.no_grad():
+        got = module(x).float()[:, -1, :8]
+    assert torch.allclose(got, torch.tensor(out["outputs"]), rtol=1e-5, atol=1e-5)
+    saved = torch.load(tmp_path / "model.ckpt", weights_only=False)
+    assert saved["epoch"] == 1 and saved["global_step"] > 0 and "optimizer_states" not in saved
+    bad = _cli(final, str(tmp_path / "x.ckpt"), "--format", "lightning", "--strip-prefix", "model.")
+    assert bad.returncode == 2 and "--format lightning writes one file" in bad.stderr
+
+
 def test_cli_strip_prefix_dtype_and_errors(trained, tmp_path):
     _, out = trained
     final = next(c for c in out["ckpts"] if "epoch=1" in c)

@@ -231,6 +231,31 @@ def consolidate_checkpoint(
     return write_state([e for _, e, _ in keyed], fetch, Path(out), fmt=fmt, max_shard_size=parse_size(max_shard_size))
 
 
+def consolidate_to_lightning(ckpt: str | Path, out: str | Path, *, dtype: Optional[str] = None) -> list[Path]:
+    """One Lightning checkpoint file from a sharded ``ampzero`` one: ``Module.load_from_checkpoint(out)`` loads it.
+
+    ``LightningModule.load_from_checkpoint`` reads one file, and a sharded checkpoint is a directory
+    (it stopped with ``IsADirectoryError``). The file holds what ``meta.pt`` keeps (hyper-parameters,
+    epoch and step, loop and callback states) and the whole ``state_dict``, but no optimizer states, as
+    ``ModelCheckpoint(save_weights_only=True)`` writes: it loads into the model anywhere, and resumes
+    nothing. The state dict is held in memory while written (``torch.save``).
+    """
+    from lightning_ampzero.checkpoint.sharded import METADATA_FILE, _check_loadable
+
+    ckpt, out = Path(ckpt), Path(out)
+    _check_loadable(ckpt)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported. Allowed: {', '.join(DTYPES)}.")
+    keyed = checkpoint_entries(ckpt, DTYPES[dtype] if dtype else None)
+    fetch = checkpoint_fetcher(ckpt, {e.name: (key, meta) for key, e, meta in keyed})
+    checkpoint = torch.load(ckpt / METADATA_FILE, weights_only=False)  # what the Trainer saved beside the shards
+    checkpoint["state_dict"] = {e.name: fetch(e) for _, e, _ in keyed}
+    checkpoint.pop("optimizer_states", None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, out)
+    return [out]
+
+
 def checkpoint_fetcher(ckpt: Path, source: dict[str, tuple[str, Any]]) -> Callable[[Entry], torch.Tensor]:
     """``fetch(entry)`` reading the one tensor ``source[entry.name]`` ((DCP key, its metadata)) from ``ckpt``."""
     import torch.distributed.checkpoint as dcp

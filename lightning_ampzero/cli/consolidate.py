@@ -1,5 +1,8 @@
 """``ampzero-consolidate CKPT OUT``: a sharded checkpoint -> plain state-dict file(s), no GPU, no process group.
 
+With ``--format lightning`` OUT is one Lightning checkpoint file (weights, hyper-parameters and loop
+state; no optimizer states) that ``LightningModule.load_from_checkpoint(OUT)`` loads.
+
 With ``--hf-config DIR`` OUT is a Hugging Face ``save_pretrained`` directory instead (config.json,
 HF key names, tied copies dropped) that ``AutoModelForCausalLM.from_pretrained(OUT)`` loads.
 """
@@ -54,7 +57,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("checkpoint", type=Path, help="checkpoint directory (e.g. 'epoch=3-step=400.ckpt')")
     parser.add_argument("out", type=Path, help="output file, or folder when the output is split into shards")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
-    parser.add_argument("--format", choices=FORMATS, default="safetensors")
+    parser.add_argument("--format", choices=(*FORMATS, "lightning"), default="safetensors",
+                        help="safetensors or pt: a state dict; lightning: one .ckpt file that"
+                             " LightningModule.load_from_checkpoint loads (weights and hyper-parameters, no optimizer)")
     parser.add_argument("--max-shard-size", default=None,
                         help="split output files, e.g. 5GB (default: one file; with --hf-config: 5GB)")
     parser.add_argument("--strip-prefix", default=None,
@@ -70,6 +75,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--hf-class needs --hf-config")
     if args.hf_config is not None and args.format != "safetensors":
         parser.error("--hf-config writes safetensors: leave --format at its default")
+    if args.format == "lightning" and (args.max_shard_size is not None or args.strip_prefix is not None):
+        parser.error("--format lightning writes one file with the LightningModule's own keys: drop --max-shard-size"
+                     " and --strip-prefix")
 
     import torch  # noqa: F401  (imported before measuring, so the baseline includes it)
     if args.hf_config is not None:
@@ -81,7 +89,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from lightning_ampzero.checkpoint.consolidate import consolidate_checkpoint, load_consolidated
+    from lightning_ampzero.checkpoint.consolidate import (
+        consolidate_checkpoint,
+        consolidate_to_lightning,
+        load_consolidated,
+    )
 
     console = Console(stderr=True)
     baseline = _start_peak_window()
@@ -93,6 +105,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             paths = export_checkpoint(args.checkpoint, args.out, args.hf_config, prefix=args.strip_prefix,
                                       model_class=args.hf_class, dtype=args.dtype,
                                       max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+        elif args.format == "lightning":
+            paths = consolidate_to_lightning(args.checkpoint, args.out, dtype=args.dtype)
         else:
             paths = consolidate_checkpoint(args.checkpoint, args.out, dtype=args.dtype, fmt=args.format,
                                            max_shard_size=args.max_shard_size, strip_prefix=args.strip_prefix or "")
