@@ -322,6 +322,10 @@ def test_warmup_decay_needs_a_total():
     with pytest.raises(ValueError, match="total_num_steps"):
         build_scheduler(SchedulerConfig(type="WarmupDecayLR"), opt, lr=1.0, total_steps=None)
     assert build_scheduler(SchedulerConfig(type="WarmupDecayLR"), opt, lr=1.0, total_steps=50).total_num_steps == 50
+    # each is the class the config names (a WarmupLR showed up as a WarmupDecayLR object)
+    assert type(build_scheduler(SchedulerConfig(type="WarmupDecayLR"), opt, lr=1.0, total_steps=50)).__name__ \
+        == "WarmupDecayLR"
+    assert type(build_scheduler(SchedulerConfig(type="WarmupLR"), opt, lr=1.0)).__name__ == "WarmupLR"
 
 
 # ---------------------------------------------------------------------------------------
@@ -486,6 +490,7 @@ def test_a_dataloader_batch_other_than_the_configs_micro_batch_is_said_when_trai
     said = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(said["4"]) == 1 and "DataLoader's batch_size is 4" in said["4"][0] and "batch_size=8" in said["4"][0]
     assert "= 4 samples, where the config has 8" in said["4"][0]
+    assert "train_micro_batch_size_per_gpu=8 makes 8 samples per process" in said["4"][0]
     assert said["8"] == []
 
 
@@ -552,6 +557,10 @@ def test_cli_prints_overrides_and_yaml_that_composes(tmp_path, capsys):
     assert "no effect: steps_per_print" in out.err
     # Stage 1: overlap_comm=true takes effect and is the default, so neither listed nor written.
     assert "overlap_comm" not in out.err and "overlap_comm" not in out.out
+    # "auto" means ampzero-train's default for these overrides, but the user's own settings in a script
+    assert config_main(["from-deepspeed", str(CONFIGS / "zero3_infinity_nvme_auto.json")]) == 0
+    err = capsys.readouterr().err
+    assert "\"auto\": " in err and "with AmpZeroStrategy(config=...) in a script, the Trainer's" in err
     assert config_main(["from-deepspeed", str(path), "--yaml", "--name", "ds"]) == 0
     text = capsys.readouterr().out
     assert yaml.safe_load(text)["defaults"] == [{"override /strategy": "zero1"}, {"override /precision": "16-mixed"}]
@@ -601,7 +610,7 @@ def test_fp32_tutorial_configs_train_on_two_processes(tmp_path):
     assert zero_r["checkpointed_blocks"] == ["model.blocks.0", "model.blocks.1"] and zero_r["lr_schedulers"] == []
     offload = results[str(CONFIGS / "zero3_cpu_offload.json")]
     assert offload["stage"] == 3 and offload["accumulate_grad_batches"] == 2 and offload["gradient_clip_val"] == 1.0
-    assert offload["lr_schedulers"] == ["WarmupDecayLR"]
+    assert offload["lr_schedulers"] == ["WarmupLR"]  # the section's type
     assert offload["optimizer_wrapper"] == "OffloadedAdam" and offload["offload"]["optimizer"] == "cpu"
     infinity = results[str(CONFIGS / "zero3_infinity_nvme_auto.json")]
     assert infinity["optimizer_wrapper"] == "OffloadedAdam"

@@ -142,6 +142,14 @@ class WarmupDecayLR(_lr_scheduler_base()):  # type: ignore[misc]
         return [self.min_lr + (hi - self.min_lr) * g for hi in self.max_lrs]
 
 
+class WarmupLR(WarmupDecayLR):
+    """DeepSpeed's ``WarmupLR``: :class:`WarmupDecayLR` without the decay (the name the config asked for)."""
+
+    def __init__(self, optimizer: Any, warmup_min_lr: float, warmup_max_lr: Union[float, list[float]],
+                 warmup_num_steps: int, warmup_type: str = "log", last_epoch: int = -1) -> None:
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, None, last_epoch)
+
+
 def build_scheduler(cfg: SchedulerConfig, optimizer: Any, *, lr: Union[float, list[float]],
                     total_steps: Optional[int] = None) -> Any:
     """The scheduler of ``cfg`` (or None), ``lr`` (one, or one per param group) standing for ``warmup_max_lr=None``."""
@@ -156,6 +164,8 @@ def build_scheduler(cfg: SchedulerConfig, optimizer: Any, *, lr: Union[float, li
                 " (or max_epochs with a sized DataLoader) so it can be estimated."
             )
     max_lr = lr if cfg.warmup_max_lr is None else cfg.warmup_max_lr
+    if total is None:
+        return WarmupLR(optimizer, cfg.warmup_min_lr, max_lr, cfg.warmup_num_steps, cfg.warmup_type)
     return WarmupDecayLR(optimizer, cfg.warmup_min_lr, max_lr, cfg.warmup_num_steps, cfg.warmup_type, total)
 
 

@@ -118,7 +118,7 @@ class ImportedDeepSpeedConfig:
         accumulate = int(getattr(trainer, "accumulate_grad_batches", 1))
         given = [f"{key}={value}" for key, value in (("train_micro_batch_size_per_gpu", self.micro_batch_size),
                                                      ("train_batch_size", self.train_batch_size)) if value is not None]
-        _warn(f"DeepSpeed config {self.source}: {' and '.join(given)} make {micro} samples per process and"
+        _warn(f"DeepSpeed config {self.source}: {' and '.join(given)} {'make' if len(given) > 1 else 'makes'} {micro} samples per process and"
               f" micro-batch, but the training DataLoader's batch_size is {size}. Under Lightning the DataLoader"
               f" decides: each optimizer step trains on {size} x {accumulate} (accumulation) x {world} (processes)"
               f" = {size * accumulate * world} samples, where the config has {micro * accumulate * world}. Give the"

@@ -62,7 +62,9 @@ def _from_deepspeed(args: argparse.Namespace) -> int:
     for key, reason in imported.notes:
         print(f"ampzero-config: note: {key}: {reason}", file=sys.stderr)
     for key in imported.auto:
-        print(f"ampzero-config: \"auto\": {key} takes ampzero-train's default", file=sys.stderr)
+        print(f"ampzero-config: \"auto\": {key} takes ampzero-train's default here; with"
+              " AmpZeroStrategy(config=...) in a script, the Trainer's, DataLoader's or LightningModule's own"
+              " setting (an optimizer's lr: the module's)", file=sys.stderr)
     print(text.rstrip("\n"))
     return 0
 
