@@ -373,8 +373,9 @@ class AmpZeroStrategy(ParallelStrategy):
         from torch.distributed.fsdp import FSDPModule
 
         if isinstance(module, FSDPModule):
-            # Partitioned by an earlier fit/validate/test with this strategy: keep the shards.
-            pass
+            # Partitioned by an earlier fit/validate/test with this strategy: keep the shards, and make
+            # them the module's parameters again ([Note: units left gathered by evaluation]).
+            self._reshard()
         elif self.stage == 0:
             module = self.precision_plugin.convert_module(module)
             # [fp8] after the precision conversion (it would cast the FP8 scaling buffers); DDP
@@ -564,9 +565,18 @@ class AmpZeroStrategy(ParallelStrategy):
             yield
 
     def _reshard(self) -> None:
-        # Stages 1-2 keep units gathered after a forward that has no backward (evaluation);
-        # free them so evaluation does not leave the full model resident.
-        if self.stage in (1, 2) and self.lightning_module is not None:
+        """Put every unit back to its shards after a forward that had no backward (evaluation).
+
+        [Note: units left gathered by evaluation] A unit is resharded by its backward; evaluation
+        has none, so after it the units FSDP2 keeps gathered past their forward (every unit at
+        stages 1-2, the root and the persistent units at stage 3) stayed gathered, and their
+        module attributes were the gathered plain tensors, not the sharded DTensors. A fit after a
+        standalone ``trainer.validate`` at stage 3 then built its optimizer over those copies: it
+        stepped tensors FSDP2 dropped at the next reshard, and the fit left the model's weights as
+        they were, silently (a new-user trial, issue 16's note). Resharding frees the full model
+        and gives the module its shards back.
+        """
+        if self.stage > 0 and self.lightning_module is not None:
             for m in fsdp_modules(self.lightning_module):
                 m.reshard()
 

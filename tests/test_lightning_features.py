@@ -39,3 +39,13 @@ def test_stages_agree_with_each_other(results):
     """Same seed and data: every stage reaches the same test loss."""
     losses = [results[s]["test_loss"] for s in "0123"]
     assert max(losses) - min(losses) < 1e-4 * abs(losses[0])
+
+
+def test_validate_before_fit_then_fit_trains_as_ddp(tmp_path):
+    # [Note: units left gathered by evaluation] in strategy.py: at stage 3 the fit after a standalone
+    # validate left the weights as they were (moved 0.0), with the losses still going down.
+    out = run_json("eval_then_fit.py", tmp_path / "eval_then_fit.json", timeout=600)
+    assert out["ddp"]["moved"] > 0.01
+    for stage in (1, 2, 3):
+        r = out[f"stage{stage}"]
+        assert r["vs_ddp"] == 0.0 and r["moved"] == out["ddp"]["moved"] and r["val"] == out["ddp"]["val"], (stage, r)
