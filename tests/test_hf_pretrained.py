@@ -85,6 +85,8 @@ def test_loads_bit_for_bit_once(ckpts, kind):
     holder = nn.Module()
     holder.inner = nn.Module()
     holder.inner.model = hf.from_pretrained(transformers.AutoModelForCausalLM, path)
+    # in the mode transformers' own from_pretrained gives (eval: dropout off), as a drop-in must
+    assert holder.inner.model.training is transformers.AutoModelForCausalLM.from_pretrained(path).training is False
     [stats] = hf.load_pending_pretrained(holder)  # found at any depth
     assert stats.model == "inner.model"
     file = _file_state(path)

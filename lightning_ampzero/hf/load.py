@@ -86,6 +86,10 @@ def from_pretrained(
     else:
         model = model_cls(config, **kwargs)
     setattr(model, _PENDING, PretrainedSource(path, strict))
+    # transformers' from_pretrained returns the model in eval mode (dropout off), and Lightning
+    # does not switch modules to train mode: as a drop-in for it, the same mode, or the run trained
+    # with dropout where the user's ddp run had none (a new-user trial, issue 16's note).
+    model.eval()
     return model
 
 
