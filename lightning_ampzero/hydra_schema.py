@@ -455,13 +455,23 @@ def explain_error(exc: BaseException) -> Optional[str]:
             kind = getattr(getattr(err, "object_type", None), "__name__", None)
             schema = f" ({kind})" if kind else ""
             return (f"Unknown config key '{full_key}': {owner}{schema} has no key '{key}'."
-                    f"{_did_you_mean(key, candidates)}{_elsewhere(key, where)}"
+                    f"{_did_you_mean(key, candidates)}{_elsewhere(key, where)}{_zero_node(str(full_key))}"
                     + (f" Keys: {', '.join(sorted(candidates))}." if candidates else ""))
         if isinstance(err, ValidationError):
             full_key = getattr(err, "full_key", None)
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             return f"Invalid value for '{full_key}': {first}"
     return None
+
+
+def _zero_node(full_key: str) -> str:
+    """" ZeRO's settings are the 'strategy' node here: strategy.stage=3." for ``zero.stage=3``: the
+    Python config's section (``AmpZeroStrategy(config=...)``'s ``zero``) and DeepSpeed's
+    ``zero_optimization`` are the Hydra node ``strategy``."""
+    head, _, rest = full_key.partition(".")
+    if head not in ("zero", "zero_optimization"):
+        return ""
+    return f" ZeRO's settings are the 'strategy' node here: strategy.{rest or '<key>'}, e.g. strategy.stage=3."
 
 
 def _elsewhere(key: str, where: str) -> str:

@@ -381,3 +381,25 @@ def test_lightning_round_trip_stage_3_tied(ckpts, tmp_path):
 def test_cli_hf_export_errors(ckpts, tmp_path):
     proc = _cli(str(tmp_path / "missing.ckpt"), str(tmp_path / "x"), "--hf-config", str(ckpts["single"]))
     assert proc.returncode == 2 and "not a sharded checkpoint" in " ".join(proc.stderr.split())
+
+
+def _save_on_rank_zero_only(rank: int, world: int, root: str) -> str:
+    import lightning_ampzero.checkpoint.consolidate as consolidate
+
+    consolidate.ARRIVAL_TIMEOUT_S = 2.0
+    model = transformers.LlamaForCausalLM(_config())
+    if rank != 0:
+        return "did not call"  # as under `if trainer.is_global_zero:`
+    try:
+        hf.save_pretrained(model, Path(root) / "out")
+    except RuntimeError as e:
+        return str(e)
+    return "saved"
+
+
+def test_save_pretrained_on_rank_zero_alone_is_a_clear_error_not_a_hang(tmp_path):
+    # [Note: an export called on rank zero alone]: it hung in its first collective, with no message.
+    said, other = spawn(_save_on_rank_zero_only, world_size=2, args=(str(tmp_path),), timeout=120)
+    assert other == "did not call"
+    assert said.startswith("save_pretrained is collective: every rank must call it") and "rank(s) [1]" in said
+    assert "not under `if trainer.is_global_zero:`" in said

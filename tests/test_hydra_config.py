@@ -272,6 +272,7 @@ def test_typed_config_round_trips_through_plain_dict():
         ("strategy.offload_optimizer=cpu", ["strategy.offload_optimizer", "It is a key of 'offload'",
                                             "offload.offload_optimizer"]),
         ("offload.nvme_pth=/x", ["offload.nvme_pth", "Did you mean 'nvme_path'"]),
+        ("zero.stage=3", ["Unknown config key 'zero'", "ZeRO's settings are the 'strategy' node here"]),
         ("strategy=zero3_ofload", ["'zero3_ofload'", "Did you mean 'zero3_offload'"]),
         ("activation_checkpointing=ful", ["'ful'", "config group 'activation_checkpointing'", "Did you mean 'full'"]),
         ("activation_checkpointing.evry_n=2", ["activation_checkpointing.evry_n", "Did you mean 'every_n'"]),

@@ -327,7 +327,8 @@ def test_overflow_at_minimum_scale_names_the_connected_model_parameters():
     net = _gpt()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     plugin.connect(net, [opt], [])
-    with pytest.raises(LossScaleAtMinimumError, match=r"Non-finite gradients in: wte\.weight\..*Try: bf16"):
+    with pytest.raises(LossScaleAtMinimumError, match=r"Non-finite gradients in: wte\.weight\..*Try: bf16.*a lower"
+                                                     r" loss_scaler\.min_loss_scale"):
         _step(plugin, net, opt, 0.5, overflow=True)
 
 

@@ -271,6 +271,44 @@ def checkpoint_fetcher(ckpt: Path, source: dict[str, tuple[str, Any]]) -> Callab
     return fetch
 
 
+# How long a collective export waits for every rank to call it (Note below).
+ARRIVAL_TIMEOUT_S = 300.0
+_arrivals = 0
+
+
+def every_rank_calls(what: str) -> None:
+    """Fail with a clear error, rather than hang, when a collective export is called on some ranks only.
+
+    [Note: an export called on rank zero alone] Writing is rank zero's, so
+    ``if trainer.is_global_zero: save_pretrained(...)`` looks right, but the gathering is collective:
+    rank zero waited in its first collective while the others went on to the next (a barrier), and
+    the run hung with no message (a new-user trial, issue 16's note; the hang detector only watches
+    a fit). Before any collective, each rank marks its arrival in the process group's store and
+    waits for every rank's mark: a rank missing after :data:`ARRIVAL_TIMEOUT_S` seconds is named in
+    the error. The marks count calls, so they pair the n-th call of every rank.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    from datetime import timedelta
+
+    global _arrivals
+    _arrivals += 1
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"ampzero/arrival/{_arrivals}/{rank}" for rank in range(dist.get_world_size())]
+    store.set(keys[dist.get_rank()], what)
+    try:
+        store.wait(keys, timedelta(seconds=ARRIVAL_TIMEOUT_S))
+    except Exception as error:  # the store's timeout (DistStoreError; a RuntimeError in older torch)
+        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(
+            f"{what} is collective: every rank must call it (each gathers its shards; only rank zero writes),"
+            f" and rank(s) {missing} did not within {ARRIVAL_TIMEOUT_S:.0f} s. Call it on every rank, not under"
+            " `if trainer.is_global_zero:` (from a callback's on_train_end, or after trainer.fit in the script)."
+        ) from error
+
+
 def export_consolidated(
     module: torch.nn.Module,
     out: str | Path,
@@ -286,6 +324,7 @@ def export_consolidated(
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported. Allowed: {', '.join(DTYPES)}.")
+    every_rank_calls("save_consolidated")
     target = DTYPES[dtype] if dtype else None
     state = module.state_dict()
     entries = [Entry(k, tuple(v.shape), _out_dtype(v.dtype, target)) for k, v in state.items() if isinstance(v, torch.Tensor)]

@@ -207,7 +207,7 @@ def render_summary(summary: dict[str, Any], console: Any = None) -> None:
     table = Table(title="ampzero-train summary", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("strategy", f"ZeRO stage {summary['stage']}, {summary['world_size']} processes"
+    table.add_row("strategy", f"ZeRO stage {summary['stage']}, {summary['world_size']} process{'es' if summary['world_size'] != 1 else ''}"
                   f" ({summary.get('num_nodes', 1)} node(s)), precision {summary['precision']}")
     table.add_row("model", f"{summary['num_params']:,} parameters")
     features = _describe_features(summary.get("features") or {})

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from lightning_ampzero.checkpoint.consolidate import DTYPES, Entry, parse_size, write_state
+from lightning_ampzero.checkpoint.consolidate import DTYPES, Entry, every_rank_calls, parse_size, write_state
 from lightning_ampzero.hf.files import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from lightning_ampzero.hf.keys import (
     find_pretrained_model,
@@ -138,6 +138,7 @@ def save_pretrained(
     import torch.distributed as dist
 
     model = find_pretrained_model(model)
+    every_rank_calls("save_pretrained")  # [Note: an export called on rank zero alone]
     distributed = dist.is_available() and dist.is_initialized()
     if distributed and dist.get_world_size() > 1:
         box = [str(out_dir)]

@@ -434,8 +434,9 @@ class DynamicLossScaler(_ScalerBase):
             else "No parameter names are available (set the scaler's `module` to the trained model to get them)."
         )
         advice = (
-            "Try: bf16 (precision='bf16-mixed': fp32's range, no loss scaling); a higher"
-            " loss_scaler.min_loss_scale; a lower learning rate; gradient clipping (e.g."
+            "Try: bf16 (precision='bf16-mixed': fp32's range, no loss scaling); a lower"
+            " loss_scaler.min_loss_scale (the scale may then fall further, below 1 if need be); a lower learning"
+            " rate; gradient clipping (e.g."
             " Trainer(gradient_clip_val=1.0)); or loss_scaler.at_min_scale='skip'/'warn' to skip such steps."
         )
         if policy == "warn":
