@@ -144,3 +144,13 @@ def test_0_dim_tensors_are_written_and_read_back(tmp_path):
     back = load_file(path)
     assert back.keys() == state.keys()
     assert all(back[n].shape == t.shape and back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in state.items())
+
+
+def test_a_single_file_checkpoint_of_another_strategy_says_how_to_start_from_its_weights(tmp_path):
+    from lightning_ampzero.checkpoint.sharded import _check_loadable
+
+    ddp = tmp_path / "epoch=0-step=2.ckpt"
+    torch.save({"state_dict": {}}, ddp)  # what Lightning's ddp writes: one file
+    with pytest.raises(ValueError, match="It is a single file, as Lightning's other strategies write.*load them before"
+                                         r" trainer\.fit"):
+        _check_loadable(ddp)

@@ -220,9 +220,15 @@ def _check_loadable(path: Path) -> None:
             f" {incomplete_path(path)}). Resume from the previous complete checkpoint."
         )
     if not is_sharded_checkpoint(path):
+        hint = ""
+        if path.is_file():  # a checkpoint of another strategy (ddp, deepspeed's single file, ...)
+            hint = (" It is a single file, as Lightning's other strategies write. To start from its weights, build the"
+                    " model in __init__, load them before trainer.fit (module.load_state_dict(torch.load(path,"
+                    " weights_only=False)['state_dict'])) and fit without ckpt_path: the optimizer and loop states do"
+                    " not carry over.")
         raise ValueError(
             f"{path} is not a sharded checkpoint directory written by strategy 'ampzero': it needs"
-            f" {METADATA_FILE} and torch.distributed.checkpoint's .metadata."
+            f" {METADATA_FILE} and torch.distributed.checkpoint's .metadata.{hint}"
         )
 
 
