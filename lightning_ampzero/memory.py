@@ -123,7 +123,8 @@ def measure_model_state(module: nn.Module, optimizers: Iterable[torch.optim.Opti
     Offload (lightning_ampzero.offload) is not counted where it put the states: shards and gradients in
     a swap file are on the drive, and an offloading optimizer's master weights and moments are in its
     store. ``offloaded`` is the host memory the offload holds instead: the store's host copy or NVMe
-    buffers, the parameter swapper's read pool (what the estimate's ``cpu`` column counts).
+    buffers, the parameter swapper's read pool, the shards and gradient shards FSDP2's
+    ``CPUOffloadPolicy`` keeps on the host (what the estimate's ``cpu`` column counts).
     """
     from lightning_ampzero.offload.grads import grad_swapper
     from lightning_ampzero.offload.params import param_swapper
@@ -138,7 +139,10 @@ def measure_model_state(module: nn.Module, optimizers: Iterable[torch.optim.Opti
     fsdp = _fsdp_params(module)
     covered: set[int] = set()
     for fp in fsdp:
-        sharded += seen.add(fp._sharded_param_data)
+        if getattr(fp, "offload_to_cpu", False):  # CPUOffloadPolicy (offload_param="cpu" on an accelerator)
+            offloaded += seen.add(fp._sharded_param_data) + seen.add(fp.sharded_param.grad)
+        else:
+            sharded += seen.add(fp._sharded_param_data)
         covered.add(id(fp.sharded_param))
         unsharded = getattr(fp, "_unsharded_param", None)
         if unsharded is not None:

@@ -612,6 +612,29 @@ def test_memory_report_counts_offloaded_optimizer_state_as_host_memory(tmp_path,
     assert rank["model_states"] <= rank["params"] + rank["grads"] + rank["optimizer"] + rank["working"]
 
 
+def _measured_under_cpu_offload_policy(rank, world_size):
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from lightning_ampzero.memory import measure_model_state
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    for layer in model:  # pin_memory=False: pinning needs an accelerator (FACTS.md)
+        fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    model(torch.randn(2, 8)).sum().backward()
+    return measure_model_state(model)
+
+
+def test_shards_fsdp2_keeps_on_the_host_are_counted_as_offloaded():
+    # offload_param="cpu" on an accelerator: FSDP2's CPUOffloadPolicy keeps shards and their gradients
+    # in host memory, which the device columns counted.
+    from _spawn import spawn
+
+    (m,) = spawn(_measured_under_cpu_offload_policy, world_size=1)
+    numel = 8 * 8 + 8 + 8 * 2 + 2
+    assert m == {"params_sharded": 0, "params_gathered": 0, "grads": 0, "optimizer": 0, "offloaded": 2 * 4 * numel}
+
+
 # ---------------------------------------------------------------------------------------
 # The planner's choice, run on 2 ranks under the budget (budget enforced by measurement)
 # ---------------------------------------------------------------------------------------
