@@ -49,3 +49,12 @@ def test_validate_before_fit_then_fit_trains_as_ddp(tmp_path):
     for stage in (1, 2, 3):
         r = out[f"stage{stage}"]
         assert r["vs_ddp"] == 0.0 and r["moved"] == out["ddp"]["moved"] and r["val"] == out["ddp"]["val"], (stage, r)
+
+
+def test_lr_find_and_a_resume_that_adds_a_scheduler_run_as_under_ddp(tmp_path):
+    # [Note: param-group settings added since the save] in checkpoint/sharded.py: both stopped with
+    # DCP's "Missing key ... optimizer_0.param_groups.0.initial_lr" at every stage.
+    out = run_json("lr_find.py", tmp_path / "lr_find.json", "--tmp", str(tmp_path), timeout=600)
+    for stage in (0, 3):
+        r = out[f"stage{stage}"]
+        assert r == {"suggestion": out["ddp"]["suggestion"], "after_lr_find": 0.0, "resumed": 0.0}, (stage, r)

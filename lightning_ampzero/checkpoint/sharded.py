@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -257,8 +257,10 @@ def load_sharded(
             " or save with save_weights_only=False to resume."
         )
     state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+    saved = set(_saved_keys(path))
     for i, opt in enumerate(optimizers):
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt)
+        state[f"optimizer_{i}"] = _without_unsaved_group_keys(get_optimizer_state_dict(module, opt), f"optimizer_{i}",
+                                                              saved)
     dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
     set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
@@ -266,9 +268,31 @@ def load_sharded(
     return torch.load(path / METADATA_FILE, weights_only=bool(weights_only))
 
 
-def _holds_optimizer_states(path: Path) -> bool:
-    """Whether the sharded checkpoint at ``path`` has optimizer entries (not a ``save_weights_only`` one)."""
+def _saved_keys(path: Path) -> Iterable[str]:
+    """The flattened keys (``optimizer_0.param_groups.0.lr``, ...) the checkpoint at ``path`` holds."""
     import torch.distributed.checkpoint as dcp
 
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return any(key.startswith("optimizer_") for key in keys)
+    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
+
+
+def _holds_optimizer_states(path: Path) -> bool:
+    """Whether the sharded checkpoint at ``path`` has optimizer entries (not a ``save_weights_only`` one)."""
+    return any(key.startswith("optimizer_") for key in _saved_keys(path))
+
+
+def _without_unsaved_group_keys(optim_state: dict[str, Any], prefix: str, saved: set[str]) -> dict[str, Any]:
+    """``optim_state`` without the param-group settings the checkpoint does not hold.
+
+    [Note: param-group settings added since the save] A learning-rate scheduler adds
+    ``initial_lr`` to its optimizer's groups. Lightning's ``Tuner.lr_find`` attaches one after
+    saving the checkpoint it restores at the end, and a resume may configure a scheduler the saved
+    run had not: DCP, loading into the live optimizer's layout, stopped on the key the checkpoint
+    lacks (``Missing key in checkpoint state_dict: optimizer_0.param_groups.0.initial_lr``, at every
+    stage; a new-user trial, issue 16's note). torch's ``Optimizer.load_state_dict`` takes the saved
+    groups as they are, so the live-only settings are left out of what is loaded, as there. The
+    states (moments, steps) are not filtered: a checkpoint without them is a mismatch to report.
+    """
+    for g, group in enumerate(optim_state.get("param_groups", [])):
+        for key in [k for k in group if k != "params" and f"{prefix}.param_groups.{g}.{k}" not in saved]:
+            del group[key]
+    return optim_state
