@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -54,9 +55,10 @@ def export_plan(model: nn.Module) -> list[tuple[str, list[str], torch.Tensor]]:
         raise NotImplementedError(
             f"{type(model).__name__} holds {len(adapters)} peft adapter tensors (e.g. {sorted(adapters)[:2]}):"
             " exporting"
-            " them merged into the base weights is not supported yet. Consolidate the checkpoint"
-            " (`ampzero-consolidate CKPT OUT --strip-prefix model.`), load it into the unsharded peft model,"
-            " then use peft's merge_and_unload() and save_pretrained()."
+            " them merged into the base weights is not supported yet. To save the adapters, pass the peft model"
+            " (save_pretrained(the peft model, out_dir): what peft's own save_pretrained writes). For merged"
+            " weights, consolidate the checkpoint (`ampzero-consolidate CKPT OUT --strip-prefix model.`), load it"
+            " into the unsharded peft model, then use peft's merge_and_unload() and save_pretrained()."
         )
     all_names = {n for _, names in groups for n in names}
     chosen: dict[str, tuple[list[str], torch.Tensor]] = {}
@@ -134,10 +136,15 @@ def save_pretrained(
     "fp32" or a torch.dtype; None keeps each parameter's dtype). Outputs over ``max_shard_size``
     are split into files with an index, as ``save_pretrained`` does. Returns the files written
     (on rank zero; [] elsewhere).
+
+    A peft model (``PeftModel``, or a module holding one) is written as its own
+    ``save_pretrained`` writes it: the adapters and their config, which
+    ``PeftModel.from_pretrained(base, out_dir)`` loads ([Note: adapters of a sharded peft model]).
     """
     import torch.distributed as dist
 
-    model = find_pretrained_model(model)
+    peft_model = _peft_model(model)
+    model = find_pretrained_model(model) if peft_model is None else peft_model
     every_rank_calls("save_pretrained")  # [Note: an export called on rank zero alone]
     distributed = dist.is_available() and dist.is_initialized()
     if distributed and dist.get_world_size() > 1:
@@ -146,6 +153,11 @@ def save_pretrained(
         out_dir = box[0]
     is_zero = not distributed or dist.get_rank() == 0
     out = Path(out_dir)
+    if peft_model is not None:
+        paths = _save_adapters(peft_model, out, is_zero, dtype)
+        if distributed:
+            dist.barrier()
+        return paths
     plan = export_plan(model)
     entries = [Entry(key, tuple(t.shape), _out_dtype(dtype, t.dtype)) for key, _, t in plan]
     tensors = {key: t for key, _, t in plan}
@@ -165,6 +177,55 @@ def save_pretrained(
     if distributed:
         dist.barrier()  # the directory is complete on every rank's return
     return paths
+
+
+def _peft_model(module: nn.Module) -> Optional[nn.Module]:
+    """``module`` if it is a peft ``PeftModel``, else the one outermost inside it, else None."""
+    if "peft" not in sys.modules:
+        return None
+    from peft import PeftModel
+
+    found = [m for m in module.modules() if isinstance(m, PeftModel)]
+    return found[0] if found else None
+
+
+def _save_adapters(model: nn.Module, out: Path, is_zero: bool, dtype: Optional[str | torch.dtype]) -> list[Path]:
+    """A peft model's adapters, as its own ``save_pretrained`` writes them, from sharded parameters.
+
+    [Note: adapters of a sharded peft model] peft's ``save_pretrained`` reads ``state_dict()``,
+    whose values are this rank's shards (DTensors) at stages 1-3: it stopped with "Attempted to
+    access the data pointer on an invalid python storage" and left a directory holding only a
+    README (a new-user trial, issue 16's note). peft's own selection
+    (``get_peft_model_state_dict``, for every adapter) names the tensors to save; only those are
+    gathered, in the state dict's order on every rank, and rank zero hands them to peft's
+    ``save_pretrained(state_dict=...)``, which writes its usual files. The base model's weights are
+    not gathered.
+    """
+    from peft import get_peft_model_state_dict
+
+    state = model.state_dict()
+    key_of = {id(v): k for k, v in state.items()}
+    wanted: set[str] = set()
+    for name in model.peft_config:
+        for value in get_peft_model_state_dict(model, state_dict=state, adapter_name=name).values():
+            if id(value) not in key_of:
+                raise NotImplementedError(
+                    f"peft computes the saved tensors of adapter {name!r} ({type(model.peft_config[name]).__name__})"
+                    " rather than selecting them: save from a consolidated checkpoint (`ampzero-consolidate CKPT OUT"
+                    " --strip-prefix model.`, loaded into the unsharded peft model)."
+                )
+            wanted.add(key_of[id(value)])
+
+    @torch.no_grad()
+    def gathered(t: torch.Tensor) -> torch.Tensor:
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t  # collective: same order on every rank
+        return t.detach().cpu()
+
+    full = {k: gathered(v).to(_out_dtype(dtype, v.dtype)) for k, v in state.items() if k in wanted}
+    if not is_zero:
+        return []
+    model.save_pretrained(str(out), state_dict=full, is_main_process=True)
+    return sorted(p for p in out.rglob("*") if p.is_file())
 
 
 def _model_class(config: Any, name: Optional[str]) -> Any:
