@@ -15,10 +15,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
+# What a launcher sets for its processes. An in-process Trainer run leaves some of them in the
+# test process (Lightning sets MASTER_PORT, LOCAL_RANK and NODE_RANK there): a script must not
+# inherit them, or it joins a rendezvous port that the test process still holds (EADDRINUSE).
+LAUNCH_KEYS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "MASTER_PORT", "MASTER_ADDR")
+
+
 def script_env(extra: Optional[dict[str, Optional[str]]] = None) -> dict[str, str]:
     """The test process's environment for a script, with ``extra`` set (a value of None removes the key)."""
     env = dict(os.environ)
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "MASTER_PORT", "MASTER_ADDR"):
+    for key in LAUNCH_KEYS:
         env.pop(key, None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(SCRIPTS), env.get("PYTHONPATH", "")])
     env["PYTHONWARNINGS"] = "ignore"

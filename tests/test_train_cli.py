@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _scripts import LAUNCH_KEYS
 
 REPO = Path(__file__).resolve().parent.parent
 QUICK = ["experiment=quick", "trainer.enable_progress_bar=false"]
@@ -23,7 +24,8 @@ QUICK = ["experiment=quick", "trainer.enable_progress_bar=false"]
 
 def _run(args: list[str], cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    env.pop("LOCAL_RANK", None)
+    for key in LAUNCH_KEYS:  # as a user's shell has them: not left by an in-process test
+        env.pop(key, None)
     return subprocess.run([sys.executable, "-m", "lightning_ampzero.train", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
