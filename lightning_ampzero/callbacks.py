@@ -42,7 +42,13 @@ from lightning_ampzero.estimate import (
     model_size,
     offload_option,
 )
-from lightning_ampzero.memory import as_zero_categories, fsdp_param_groups, measure_model_state, unsharded_grad_bytes
+from lightning_ampzero.memory import (
+    as_zero_categories,
+    device_bytes,
+    fsdp_param_groups,
+    measure_model_state,
+    unsharded_grad_bytes,
+)
 
 __all__ = ["MemoryReport"]
 
@@ -127,7 +133,7 @@ class MemoryReport(Callback):
     def _sample(self, trainer: Any, pl_module: nn.Module) -> None:
         m = measure_model_state(pl_module, trainer.optimizers)
         # Model states on the device: what the offload holds in host memory is reported beside them.
-        self._peak_total = max(self._peak_total, sum(v for k, v in m.items() if k != "offloaded"))
+        self._peak_total = max(self._peak_total, device_bytes(m))
         # The estimate's stage-3 working set is what a unit holds while it runs: its gathered
         # parameters and its unsharded gradients, in the same sample (separate peaks would not add up).
         unsharded = unsharded_grad_bytes(pl_module)

@@ -172,6 +172,12 @@ def measure_model_state(module: nn.Module, optimizers: Iterable[torch.optim.Opti
             "offloaded": offloaded}
 
 
+def device_bytes(measured: dict[str, int]) -> int:
+    """The model states a :func:`measure_model_state` result holds on the device: all but ``offloaded``,
+    which is in host memory (a peak over both would mix the two memories)."""
+    return sum(v for k, v in measured.items() if k != "offloaded")
+
+
 def unsharded_grad_bytes(module: nn.Module) -> int:
     """Bytes of FSDP2's unsharded gradients held now (a unit's, between its backward and its reduce-scatter).
 

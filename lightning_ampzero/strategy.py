@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import inspect
 import os
 import shutil
 import time
@@ -110,6 +111,9 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
     :class:`ZeroConfig` (``stage=3, reduce_bucket_size=5e7, ...``).
     """
     imported = None
+    # A keyword given as None leaves the value of `config` (or the default): a LightningCLI passes
+    # every keyword of the signature, unset ones as None ([Note: keywords a LightningCLI sees]).
+    overrides = {k: v for k, v in overrides.items() if v is not None}
     if config is None:
         cfg = AmpZeroConfig()
     elif isinstance(config, AmpZeroConfig):
@@ -161,6 +165,36 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
     return cfg, imported
 
 
+def _keyword_signature(init: Any) -> inspect.Signature:
+    """``init``'s signature with its ``**overrides`` spelt out as typed keywords (default None).
+
+    [Note: keywords a LightningCLI sees]
+    LightningCLI (jsonargparse) builds a strategy's options from its ``__init__`` signature, and
+    cannot see what ``**overrides`` takes: ``init_args: {stage: 3}`` or ``--trainer.strategy.stage=3``
+    stopped with "Option 'stage' is not accepted", where DeepSpeedStrategy takes ``stage=3``. So the
+    signature names each field that :func:`resolve_config` takes flat, typed from the config
+    dataclasses (a nested section also as a mapping, ``activation_checkpointing`` also as its mode,
+    ``compile`` also as a bool, ``precision`` also as a precision string). Every default is None,
+    meaning "not given": the CLI passes them all, and None must not overwrite a value of ``config``.
+    """
+    params = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    hints = typing.get_type_hints(AmpZeroConfig)
+    shorthand = {"precision": str, "activation_checkpointing": str, "compile": bool}
+    for name in (f.name for f in dataclasses.fields(AmpZeroConfig) if f.init):
+        hint = hints[name]
+        if name != "zero":
+            kind = Union[(hint, shorthand[name], dict)] if name in shorthand else Union[hint, dict]
+            params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                            annotation=Optional[kind]))
+    for section in (ZeroConfig, OffloadConfig):
+        section_hints = typing.get_type_hints(section)
+        for name in (f.name for f in dataclasses.fields(section) if f.init):
+            hint = section_hints[name]
+            params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                            annotation=Optional[hint]))
+    return inspect.Signature(params, return_annotation=None)
+
+
 #: Seconds the strategy's launcher waits, once a child rank has ended on an error, before it kills
 #: the other ranks ([Note: a launcher that lets the live ranks report]).
 LAUNCHER_GRACE_S = 4.0
@@ -209,6 +243,8 @@ class AmpZeroStrategy(ParallelStrategy):
             ``process_group_backend``) or of
             :class:`AmpZeroConfig` (``precision``, ...). ``precision`` may be a precision string
             ("16-mixed", ...): it sets ``PrecisionConfig.precision``, which wins over ``Trainer(precision=)``.
+            One given as None leaves the value of ``config``. The signature names them all, typed,
+            for LightningCLI ([Note: keywords a LightningCLI sees]).
     """
 
     strategy_name = "ampzero"
@@ -706,3 +742,6 @@ class AmpZeroStrategy(ParallelStrategy):
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+
+
+AmpZeroStrategy.__init__.__signature__ = _keyword_signature(AmpZeroStrategy.__init__)  # type: ignore[attr-defined]

@@ -4,6 +4,8 @@ world size (same trajectory), manual optimization with two optimizers."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from _scripts import run_json
@@ -58,3 +60,70 @@ def test_lr_find_and_a_resume_that_adds_a_scheduler_run_as_under_ddp(tmp_path):
     for stage in (0, 3):
         r = out[f"stage{stage}"]
         assert r == {"suggestion": out["ddp"]["suggestion"], "after_lr_find": 0.0, "resumed": 0.0}, (stage, r)
+
+
+# ---------------------------------------------------------------------------------------
+# LightningCLI ([Note: keywords a LightningCLI sees] in strategy.py)
+# ---------------------------------------------------------------------------------------
+
+def _cli_run(tmp_path, name: str, *args: str) -> dict:
+    from _scripts import run_script
+
+    out = tmp_path / f"{name}.json"
+    run_script("lightning_cli.py", "fit", "--seed_everything=0", "--trainer.accelerator=cpu", "--trainer.devices=2",
+               "--trainer.max_steps=4", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+               "--trainer.enable_progress_bar=false", *args, env={"AMPZERO_TEST_OUT": str(out)}, timeout=300)
+    return json.loads(out.read_text())
+
+
+def test_lightning_cli_configures_the_strategy_from_yaml_as_deepspeeds_and_trains_as_ddp(tmp_path):
+    # `init_args: {stage: 3}` stopped with jsonargparse's "Option 'stage' is not accepted": the
+    # strategy's keywords were **overrides, which a LightningCLI cannot see.
+    pytest.importorskip("jsonargparse")
+    (tmp_path / "cfg.yaml").write_text(
+        "trainer:\n  strategy:\n    class_path: lightning_ampzero.AmpZeroStrategy\n    init_args:\n"
+        "      stage: 3\n      reduce_bucket_size: 1e6\n")
+    ours = _cli_run(tmp_path, "ours", "--config", str(tmp_path / "cfg.yaml"))
+    ddp = _cli_run(tmp_path, "ddp", "--trainer.strategy=ddp")
+    assert (ours["strategy"], ours["stage"], ours["reduce_bucket_size"]) == ("AmpZeroStrategy", 3, 1e6)
+    assert ours["world_size"] == ddp["world_size"] == 2 and ours["steps"] == ddp["steps"] == 4
+    assert ours["weights"].keys() == ddp["weights"].keys()
+    for name, w in ddp["weights"].items():
+        assert ours["weights"][name] == pytest.approx(w, abs=1e-6), name
+
+
+def test_lightning_cli_flags_reach_the_strategy_and_a_misspelt_one_is_refused():
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    base = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.logger=false",
+            "--trainer.strategy=lightning_ampzero.AmpZeroStrategy"]
+    cli = LightningCLI(BoringModel, BoringDataModule, run=False, save_config_callback=None,
+                       args=[*base, "--trainer.strategy.stage=2", "--trainer.strategy.offload_optimizer=cpu",
+                             "--trainer.strategy.precision=bf16-mixed", "--trainer.strategy.compile=true"])
+    config = cli.trainer.strategy.config
+    assert (config.zero.stage, config.offload.offload_optimizer) == (2, "cpu")
+    assert config.precision.precision == "bf16-mixed" and config.compile.enabled
+    # unset keywords (None) left the defaults as they were
+    assert config.zero.reduce_bucket_size == 5e8 and config.activation_checkpointing.mode == "none"
+    with pytest.raises(SystemExit):  # jsonargparse reports the option it does not know
+        LightningCLI(BoringModel, BoringDataModule, run=False, save_config_callback=None,
+                     args=[*base, "--trainer.strategy.stgae=2"])
+
+
+def test_a_keyword_given_as_none_leaves_the_config_and_every_keyword_is_in_the_signature():
+    import dataclasses
+    import inspect
+
+    from lightning_ampzero.config import AmpZeroConfig, OffloadConfig, ZeroConfig
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    s = AmpZeroStrategy(config={"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+                        stage=None, offload_optimizer=None, precision=None)
+    assert (s.config.zero.stage, s.config.offload.offload_optimizer) == (3, "cpu")
+    named = {p.name for p in inspect.signature(AmpZeroStrategy).parameters.values()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None}
+    fields = {f.name for cls in (AmpZeroConfig, ZeroConfig, OffloadConfig) for f in dataclasses.fields(cls)} - {"zero"}
+    lightning = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+    assert named - lightning == fields

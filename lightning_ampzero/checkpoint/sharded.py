@@ -247,7 +247,8 @@ def load_sharded(
     )
 
     _check_loadable(path)
-    if optimizers and not _holds_optimizer_states(path):
+    saved = set(_saved_keys(path))  # read once: the metadata of a large checkpoint is not small
+    if optimizers and not any(key.startswith("optimizer_") for key in saved):
         # Lightning's own words for a weights-only file (its checks never see a sharded directory's
         # contents): DCP's "Missing key in checkpoint state_dict: optimizer_0.state..." said nothing useful.
         raise KeyError(
@@ -257,7 +258,6 @@ def load_sharded(
             " or save with save_weights_only=False to resume."
         )
     state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
-    saved = set(_saved_keys(path))
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = _without_unsaved_group_keys(get_optimizer_state_dict(module, opt), f"optimizer_{i}",
                                                               saved)
@@ -273,11 +273,6 @@ def _saved_keys(path: Path) -> Iterable[str]:
     import torch.distributed.checkpoint as dcp
 
     return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
-
-
-def _holds_optimizer_states(path: Path) -> bool:
-    """Whether the sharded checkpoint at ``path`` has optimizer entries (not a ``save_weights_only`` one)."""
-    return any(key.startswith("optimizer_") for key in _saved_keys(path))
 
 
 def _without_unsaved_group_keys(optim_state: dict[str, Any], prefix: str, saved: set[str]) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_ampzero.callbacks import MemoryReport
 from lightning_ampzero.config import AmpZeroConfig, ZeroConfig
-from lightning_ampzero.memory import measure_model_state
+from lightning_ampzero.memory import device_bytes, measure_model_state
 from lightning_ampzero.models.gpt import GPTConfig, GPTModule
 from lightning_ampzero.process import run_and_exit
 from lightning_ampzero.strategy import AmpZeroStrategy
@@ -53,7 +53,7 @@ class _Peak:
         if self.module is None:
             return
         m = measure_model_state(self.module, self.optimizers)
-        total = sum(m.values())
+        total = device_bytes(m)  # as MemoryReport's peak: the offload's host memory is not the device's
         if total > self.total:
             self.total, self.at_peak = total, m
 
