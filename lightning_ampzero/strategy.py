@@ -619,7 +619,12 @@ class AmpZeroStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         if self.imported is not None and self.lightning_module is not None:
-            self.imported.check_dataloader(self.lightning_module.trainer)
+            trainer = self.lightning_module.trainer
+            self.imported.check_dataloader(trainer)
+            resolved = self.imported.auto_values(trainer, self.config)
+            if resolved:
+                rank_zero_info(f'DeepSpeed config {self.imported.source}: its "auto" values in this run: '
+                               + "; ".join(resolved) + ".")
 
     def on_validation_end(self) -> None:
         self._reshard()

@@ -700,3 +700,52 @@ def test_a_config_without_a_stage_is_deepspeeds_stage_0():
         convert_deepspeed_config({"gradient_clipping": 1.0})
     assert any("zero_optimization.stage" in str(w.message) and "absent: stage 0" in str(w.message)
                for w in caught if issubclass(w.category, DeepSpeedConfigWarning))
+
+
+def test_the_auto_values_are_listed_with_what_they_resolved_to():
+    # "auto" took our default or the Trainer's / module's / DataLoader's value without a word: a user
+    # migrating Hugging Face's config could not tell what `reduce_bucket_size: "auto"` had become.
+    from lightning_ampzero._deepspeed.optim import build_scheduler
+
+    r = _convert(CONFIGS / "zero3_infinity_nvme_auto.json")
+    opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=0.0123, weight_decay=0.05)
+    sched = build_scheduler(r.scheduler, opt, lr=0.0123)
+    trainer = SimpleNamespace(optimizers=[opt], lr_scheduler_configs=[SimpleNamespace(scheduler=sched)],
+                              accumulate_grad_batches=2, gradient_clip_val=None, world_size=2,
+                              train_dataloader=SimpleNamespace(batch_size=4), precision="bf16-mixed")
+    said = dict(line.split(" = ", 1) for line in r.auto_values(trainer, r.config))
+    assert set(said) == set(r.auto)  # every "auto" key, once
+    assert said["optimizer.params.lr"] == "0.0123 (the optimizer's)"
+    assert said["optimizer.params.weight_decay"] == "0.05 (the optimizer's)"
+    assert said["scheduler.params.warmup_max_lr"] == "0.0123 (the optimizer's lr)"
+    assert said["scheduler.params.warmup_num_steps"] == "0 (the default, no warmup)"
+    assert said["zero_optimization.reduce_bucket_size"] == f"{r.config.zero.reduce_bucket_size!r} (the default)"
+    assert said["zero_optimization.stage3_prefetch_bucket_size"] == f"{r.config.zero.prefetch_bucket_size!r} (the default)"
+    assert said["gradient_accumulation_steps"] == "2 (the Trainer's)"
+    assert said["gradient_clipping"] == "no clipping (the Trainer's)"
+    assert said["train_micro_batch_size_per_gpu"] == "4 (from the training DataLoader's batch_size)"
+    assert said["train_batch_size"] == "16 (from the training DataLoader's batch_size)"  # 4 x 2 x 2
+    assert said["fp16.enabled"] == said["bf16.enabled"] == "'bf16-mixed' (the precision in use)"
+
+
+def test_a_fit_logs_the_auto_values_it_resolved(tmp_path):
+    code = textwrap.dedent("""
+        import sys, torch
+        import lightning.pytorch as pl
+        from lightning.pytorch.demos.boring_classes import BoringModel
+        from lightning_ampzero import AmpZeroStrategy
+        config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+                  "gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"}
+        trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=sys.argv[1],
+                             strategy=AmpZeroStrategy(config=config))
+        trainer.fit(BoringModel(), torch.utils.data.DataLoader(torch.randn(8, 32), batch_size=2))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=script_env(), capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if '"auto" values in this run' in line]
+    assert len(said) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "zero_optimization.reduce_bucket_size = 500000000.0 (the default)" in said[0]
+    assert "gradient_accumulation_steps = 1 (the Trainer's)" in said[0]
+    assert "train_micro_batch_size_per_gpu = 2 (from the training DataLoader's batch_size)" in said[0]

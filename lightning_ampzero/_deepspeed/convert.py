@@ -96,6 +96,7 @@ class _Converter:
         self.values: dict[str, Any] = {}
         self.no_effect: list[tuple[str, str]] = []
         self.auto: list[str] = []
+        self.auto_targets: dict[str, str] = {}  # "auto" key -> what it stands for (a _TOP / table target)
         self.unknown: list[str] = []
         self.errors: list[str] = []
         self.optimizer: Optional[OptimizerConfig] = None
@@ -148,6 +149,7 @@ class _Converter:
     def set(self, target: str, value: Any, key: str) -> None:
         if _is_auto(value):
             self.auto.append(key)
+            self.auto_targets[key] = target
             return
         if target in self.values and self.values[target][0] != value:
             self.errors.append(f"{key}={value!r} contradicts {self.values[target][1]}={self.values[target][0]!r}.")
@@ -220,6 +222,7 @@ class _Converter:
             train_batch_size=sizes.get("train_batch_size"), optimizer=self.optimizer, scheduler=self.scheduler,
             no_effect=tuple(self.no_effect), auto=tuple(self.auto), source=self.source,
             optimizer_auto=tuple(self.optimizer_auto), notes=tuple(self.notes),
+            auto_targets=tuple(self.auto_targets.items()),
         )
 
     def _trainer(self, trainer: dict[str, tuple[Any, str]]) -> dict[str, Any]:

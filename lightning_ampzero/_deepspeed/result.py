@@ -54,6 +54,9 @@ class ImportedDeepSpeedConfig:
     #: ``"auto"`` optimizer parameters, resolved when the optimizer is built (``lr``: the module's).
     optimizer_auto: tuple[str, ...] = ()
     notes: tuple[tuple[str, str], ...] = ()
+    #: ``(key, target)`` for the ``"auto"`` keys that stand for one setting (``zero.reduce_bucket_size``,
+    #: ``trainer.accumulate_grad_batches``, ``batch.micro_batch_size``): see :meth:`auto_values`.
+    auto_targets: tuple[tuple[str, str], ...] = ()
 
     # ---- Lightning -----------------------------------------------------------------------
     def apply_to_trainer(self, trainer: Any) -> None:
@@ -123,6 +126,58 @@ class ImportedDeepSpeedConfig:
               f" decides: each optimizer step trains on {size} x {accumulate} (accumulation) x {world} (processes)"
               f" = {size * accumulate * world} samples, where the config has {micro * accumulate * world}. Give the"
               f" DataLoader batch_size={micro} to train as DeepSpeed would.")
+
+    def auto_values(self, trainer: Any, config: AmpZeroConfig) -> list[str]:
+        """What each ``"auto"`` key resolved to in this run, ``"key = value (whose)"``, for the log.
+
+        ``"auto"`` is the Hugging Face integration's placeholder, which its Trainer fills from its
+        arguments. Here the Lightning Trainer, the DataLoader, the module's optimizer or our
+        defaults fill it, and nothing said which: a user migrating a config could not tell what
+        ``reduce_bucket_size: "auto"`` or ``lr: "auto"`` had become. Called when training starts,
+        once the optimizer and the DataLoader exist; ``config`` is the strategy's final config.
+        """
+        targets = dict(self.auto_targets)
+        optimizers = list(getattr(trainer, "optimizers", []) or [])
+        group = optimizers[0].param_groups[0] if len(optimizers) == 1 else {}
+        schedulers = [c.scheduler for c in getattr(trainer, "lr_scheduler_configs", []) or []]
+        out = []
+        for key in self.auto:
+            name = key.rsplit(".", 1)[-1]
+            target = targets.get(key, "")
+            if key.startswith("optimizer.params."):
+                # a scheduler has already set the group's lr to its first step's: its base is initial_lr
+                name = "initial_lr" if name == "lr" and "initial_lr" in group else name
+                value = f"{group[name]!r} (the optimizer's)" if name in group else "the optimizer's own default"
+            elif key.startswith("scheduler.params."):
+                value = self._auto_scheduler_value(name, schedulers, group)
+            elif key.endswith(".enabled"):
+                value = f"{config.precision.precision or str(getattr(trainer, 'precision', '32-true'))!r} (the precision in use)"
+            elif target == "trainer.accumulate_grad_batches":
+                value = f"{getattr(trainer, 'accumulate_grad_batches', 1)} (the Trainer's)"
+            elif target == "trainer.gradient_clip_val":
+                clip = getattr(trainer, "gradient_clip_val", None)
+                value = f"{clip} (the Trainer's)" if clip else "no clipping (the Trainer's)"
+            elif target.startswith("batch."):
+                size = getattr(getattr(trainer, "train_dataloader", None), "batch_size", None)
+                if target == "batch.train_batch_size" and isinstance(size, int):
+                    size *= int(getattr(trainer, "accumulate_grad_batches", 1)) * int(getattr(trainer, "world_size", 1))
+                value = f"{size} (from the training DataLoader's batch_size)" if size else "the DataLoader's batch size"
+            else:
+                value = f"{_config_value(config, target)!r} (the default)"
+            out.append(f"{key} = {value}")
+        return out
+
+    def _auto_scheduler_value(self, name: str, schedulers: list, group: Mapping[str, Any]) -> str:
+        from lightning_ampzero._deepspeed.optim import WarmupDecayLR
+
+        built = next((s for s in schedulers if isinstance(s, WarmupDecayLR)), None)
+        if name == "warmup_max_lr":
+            lrs = built.max_lrs if built is not None else [group.get("initial_lr", group.get("lr"))]
+            return f"{lrs[0] if len(set(lrs)) == 1 else lrs!r} (the optimizer's lr)"
+        if name == "total_num_steps" and built is not None:
+            return f"{built.total_num_steps} (the Trainer's estimated optimizer steps)"
+        value = getattr(self.scheduler, name, None) if self.scheduler is not None else None
+        return f"{value!r} (the default{', no warmup' if name == 'warmup_num_steps' else ''})"
 
     def install_optimizers(self, module: Any) -> None:
         """Let ``module`` fall back to the ``optimizer`` / ``scheduler`` sections (idempotent).
@@ -309,6 +364,16 @@ class ImportedDeepSpeedConfig:
         body: dict[str, Any] = {"defaults": [{f"override /{g}": v} for g, v in self.hydra_groups().items()]}
         body.update(self.hydra_values(world_size))
         return "\n".join(lines) + "\n" + OmegaConf.to_yaml(OmegaConf.create(body))
+
+
+def _config_value(config: AmpZeroConfig, target: str) -> Any:
+    """The value at ``target`` (``zero.reduce_bucket_size``) of ``config``, or ``"?"``."""
+    value: Any = config
+    for part in target.split("."):
+        if not hasattr(value, part):
+            return "?"
+        value = getattr(value, part)
+    return value
 
 
 def _single_optimizer(result: Any) -> tuple[Any, Any]:
