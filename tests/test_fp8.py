@@ -356,8 +356,11 @@ def test_scaled_mm_emulation_equals_fp8_gemm():
     a = torch.randn(32, 48).to(E4M3)
     b = torch.randn(16, 48).to(E4M3).t()
     sa, sb = torch.tensor(0.5), torch.tensor(0.25)
-    torch.testing.assert_close(kernels.scaled_mm(a, b, sa, sb, torch.float32, emulate=True),
-                               kernels.scaled_mm(a, b, sa, sb, torch.float32), rtol=1e-6, atol=1e-6)
+    # torch's own FP8 GEMM (CPU runs the dequantized product: [Note: the FP8 GEMM on CPU])
+    fp8_gemm = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    for emulate in (True, False):
+        torch.testing.assert_close(kernels.scaled_mm(a, b, sa, sb, torch.float32, emulate=emulate), fp8_gemm,
+                                   rtol=1e-6, atol=1e-6)
 
 
 def test_old_gpu_falls_back_with_one_warning(monkeypatch):
