@@ -61,6 +61,20 @@ def test_16_mixed_on_cpu_is_honoured_not_rewritten_to_bf16():
     assert bf16.plan.low_dtype == BF16 and isinstance(bf16.scaler, NoLossScaler)
 
 
+@pytest.mark.parametrize("strategy_precision", [None, "16-mixed"])
+def test_lightnings_bf16_lines_are_corrected_when_16_mixed_is_kept_on_cpu(monkeypatch, strategy_precision):
+    # With "16-mixed" given to the strategy as well, Lightning's "Using bf16-mixed instead" lines were
+    # the only precision lines printed, and the model trained in fp16 (a new-user trial).
+    from lightning_ampzero.precision import plugin
+
+    said: list[str] = []
+    monkeypatch.setattr(plugin, "rank_zero_info", lambda message, *a, **k: said.append(message))
+    strategy = AmpZeroStrategy(precision=strategy_precision)
+    trainer = _trainer(strategy=strategy, precision="16-mixed")
+    assert trainer.precision_plugin.plan.low_dtype == F16
+    assert len([m for m in said if "do not apply: the model trains in float16" in m]) == 1
+
+
 def test_strategy_precision_wins_over_the_trainer_flag():
     trainer = _trainer(strategy=AmpZeroStrategy(stage=2, precision="16-mixed"))
     assert trainer.precision == "16-mixed"

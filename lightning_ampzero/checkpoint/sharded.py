@@ -219,6 +219,8 @@ def _check_loadable(path: Path) -> None:
             f"{path} does not exist: its save was interrupted (the partial data is in"
             f" {incomplete_path(path)}). Resume from the previous complete checkpoint."
         )
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist.")
     if not is_sharded_checkpoint(path):
         hint = ""
         if path.is_file():  # a checkpoint of another strategy (ddp, deepspeed's single file, ...)

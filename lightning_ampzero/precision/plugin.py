@@ -158,7 +158,7 @@ class AmpZeroPrecision(Precision):
         device = getattr(plugin, "device", None)
         if requested == "bf16-mixed" and device == "cpu" and _trainer_precision_flag() == "16-mixed":
             requested = "16-mixed"
-            if config.precision is None:
+            if config.precision in (None, "16-mixed"):  # else the mismatch warning below says what is used
                 rank_zero_info(
                     "strategy 'ampzero' keeps precision='16-mixed' on CPU: torch's CPU autocast supports float16,"
                     " with dynamic loss scaling. Lightning's two lines above, that it uses 'bf16-mixed' and bfloat16 AMP"
