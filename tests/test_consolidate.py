@@ -88,6 +88,9 @@ def test_cli_strip_prefix_dtype_and_errors(trained, tmp_path):
     state = load_consolidated(tmp_path / "inner.pt")
     assert "wte.weight" in state and state["wte.weight"].dtype == torch.float16
     bad = _cli(str(tmp_path / "missing.ckpt"), str(tmp_path / "x.safetensors"))
+    assert bad.returncode == 2 and "missing.ckpt does not exist" in bad.stderr
+    (tmp_path / "empty.ckpt").mkdir()
+    bad = _cli(str(tmp_path / "empty.ckpt"), str(tmp_path / "x.safetensors"))
     assert bad.returncode == 2 and "not a sharded checkpoint" in bad.stderr
 
 

@@ -383,7 +383,7 @@ def test_lightning_round_trip_stage_3_tied(ckpts, tmp_path):
 
 def test_cli_hf_export_errors(ckpts, tmp_path):
     proc = _cli(str(tmp_path / "missing.ckpt"), str(tmp_path / "x"), "--hf-config", str(ckpts["single"]))
-    assert proc.returncode == 2 and "not a sharded checkpoint" in " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "missing.ckpt does not exist" in " ".join(proc.stderr.split())
 
 
 def _save_on_rank_zero_only(rank: int, world: int, root: str) -> str:
