@@ -178,18 +178,13 @@ def _keyword_signature(init: Any) -> inspect.Signature:
     meaning "not given": the CLI passes them all, and None must not overwrite a value of ``config``.
     """
     params = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    hints = typing.get_type_hints(AmpZeroConfig)
     shorthand = {"precision": str, "activation_checkpointing": str, "compile": bool}
-    for name in (f.name for f in dataclasses.fields(AmpZeroConfig) if f.init):
-        hint = hints[name]
-        if name != "zero":
-            kind = Union[(hint, shorthand[name], dict)] if name in shorthand else Union[hint, dict]
-            params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                            annotation=Optional[kind]))
-    for section in (ZeroConfig, OffloadConfig):
-        section_hints = typing.get_type_hints(section)
-        for name in (f.name for f in dataclasses.fields(section) if f.init):
-            hint = section_hints[name]
+    for section in (AmpZeroConfig, ZeroConfig, OffloadConfig):
+        hints = typing.get_type_hints(section)
+        for name in (f.name for f in dataclasses.fields(section) if f.init and f.name != "zero"):
+            hint = hints[name]
+            if section is AmpZeroConfig:  # a nested section: also a mapping, some also a shorthand
+                hint = Union[(hint, shorthand[name], dict)] if name in shorthand else Union[hint, dict]
             params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
                                             annotation=Optional[hint]))
     return inspect.Signature(params, return_annotation=None)

@@ -96,6 +96,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from lightning_ampzero.estimate import format_bytes
+
     from lightning_ampzero.checkpoint.consolidate import (
         consolidate_checkpoint,
         consolidate_to_lightning,
@@ -128,7 +130,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     table.add_column("what")
     table.add_column("value", justify="right")
     table.add_row("files", "\n".join(str(p) for p in paths))
-    table.add_row("bytes written", f"{size / 2**20:,.1f} MiB" if size >= 2**20 else f"{size / 2**10:,.1f} KiB")
+    table.add_row("bytes written", format_bytes(size))
     table.add_row("peak memory above start", f"{peak / 2**20:,.1f} MiB")
     table.add_row("time", f"{elapsed:.1f} s")
     console.print(table)
