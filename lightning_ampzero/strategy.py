@@ -86,6 +86,7 @@ from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
 from lightning_ampzero.zero.apply import (after_manual_step, apply_zero, fsdp_modules, no_sync, overlap_comm_note,
                                          prepare_manual_backward, register_root_method)
 from lightning_ampzero.zero.init import ZeroInit, take_local_shards
+from lightning_ampzero.zero.unused import UnusedTracker
 from lightning_ampzero.zero.materialize import built_outside_note, materialize_meta_, move_real_tensors_
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -276,6 +277,7 @@ class AmpZeroStrategy(ParallelStrategy):
         self._sigterm: Any = None  # (epoch loop, AsyncSigtermBroadcast) while fitting
         self._watchdog: Any = None  # (trainer, WatchdogCallback or None) while fitting
         self.param_swapper: Any = None  # [offload] ParamSwapper when stage-3 shards live in a swap file
+        self._unused: Optional[UnusedTracker] = None  # stages 1-3: [Note: parameters unused on some ranks]
 
     # ---- configuration -------------------------------------------------------------------
     @property
@@ -440,6 +442,10 @@ class AmpZeroStrategy(ParallelStrategy):
             mp_policy, module_policies = self.precision_plugin.fsdp_policies(module, self.stage)
             self.units = apply_zero(module, self.device_mesh, self.config.zero, mp_policy,
                                     module_policies=module_policies, offload_policy=offload_policy)
+            # [Note: parameters unused on some ranks] in zero/unused.py
+            mesh = self.device_mesh
+            self._unused = UnusedTracker(mesh.get_group() if mesh.ndim == 1 else None)
+            self._unused.install(module)
             materialize_meta_(module, offload_setup.param_init_device(self.config.offload, self.root_device), shards)
             # Lightning calls training_step() etc., not forward(): make them run FSDP2's
             # root hooks too, or the root unit's parameters would stay sharded.

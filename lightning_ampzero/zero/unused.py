@@ -1,0 +1,81 @@
+"""Parameters that some ranks give no gradient: a mixture of experts' routing, a branch some ranks take.
+
+[Note: parameters unused on some ranks]
+FSDP2 reduce-scatters, per group, the parameters that have a gradient *on this rank*. When the
+ranks differ in which ones (an expert that got no token on one rank), their reduce-scatter inputs
+are laid out differently; with experts of one shape the lengths even agree, so the sum silently
+adds one rank's gradient of expert 0 to another rank's gradient of expert 2. Measured (a new-user
+trial, tests/scripts/unused_on_some_ranks.py: layer ``a`` run on rank 0 only, ``b`` on rank 1
+only, same shapes): after one SGD step at stages 2 and 3, ``a`` and ``b`` were 0.0107 from
+Lightning's ``ddp_find_unused_parameters_true``, which sums a zero for the rank that did not use
+them. A hash-routed MoE drifted the same way.
+
+``set_reduce_scatter_unused_params(True)`` makes FSDP2 reduce a zero gradient for a trainable
+parameter without one, so every rank lays out the same list, as DDP's ``find_unused_parameters``
+does. A parameter that no rank used then gets a zero gradient, where DDP and one process leave
+None, which an optimizer skips (no weight decay, no momentum step). So each group's reducing
+post-backward records which parameters had a gradient on this rank, and at the end of the
+backward one all-reduce (MAX) of those flags, in model order (the same on every rank), finds the
+ones no rank used: a gradient that this backward created for them (zeros) is set back to None.
+Under accumulation a gradient an earlier micro-batch left stays (zeros were added to it). The
+price is one small all-reduce per reducing backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class UnusedTracker:
+    """Records, per reducing post-backward, the parameters without a local gradient; sets them back to None
+    at the end of the backward when no rank had one (the Note)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.group = group
+        # sharded parameter -> (used on this rank, its sharded gradient was None before this reduction)
+        self.seen: dict[int, tuple[nn.Parameter, bool, bool]] = {}
+        self.order: dict[int, int] = {}
+
+    def install(self, model: nn.Module) -> None:
+        from lightning_ampzero.memory import fsdp_param_groups
+
+        for group in fsdp_param_groups(model):
+            group.reduce_scatter_unused_params = True  # what FSDPModule.set_reduce_scatter_unused_params sets
+            for fp in group.fsdp_params:
+                self.order.setdefault(id(fp.sharded_param), len(self.order))  # model order: the same on every rank
+            if not getattr(group, "_ampzero_unused", False):
+                group.post_backward = self._recording(group, group.post_backward)
+                group._ampzero_unused = True
+
+    def _recording(self, group: Any, post_backward: Any) -> Any:
+        @functools.wraps(post_backward)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if group.reduce_grads:  # the reducing call: what FSDP2 is about to reduce (its own tests)
+                for fp in group.fsdp_params:
+                    if not hasattr(fp, "_unsharded_param") or not fp.unsharded_param.requires_grad:
+                        continue
+                    if not self.seen:
+                        torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+                    had = fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+                    self.seen[id(fp.sharded_param)] = (fp.sharded_param, had, fp.sharded_param.grad is None)
+            return post_backward(*args, **kwargs)
+
+        return recorded
+
+    def flush(self) -> None:
+        """At the end of the backward: one all-reduce of the flags; None again where no rank had a gradient."""
+        from lightning_ampzero.zero.comm import finish_in_flight
+
+        finish_in_flight()  # reduce-scatters left in flight finish before another collective starts
+        seen, self.seen = sorted(self.seen.items(), key=lambda kv: self.order.get(kv[0], -1)), {}
+        flags = torch.tensor([had for _, (_, had, _) in seen], dtype=torch.uint8)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        for (_, (param, _, fresh)), anyone in zip(seen, flags.tolist()):
+            # Only a gradient this backward created: an earlier micro-batch's stays (zeros were added to it).
+            if not anyone and fresh:
+                param.grad = None
