@@ -27,3 +27,36 @@ def test_parameters_some_ranks_leave_unused_train_as_under_ddp(results, stage, a
             assert ours[name] == values, name
         else:
             assert ours[name] == pytest.approx(values, abs=1e-6), name
+
+
+@pytest.fixture(scope="module")
+def layerdrop(tmp_path_factory):
+    return run_json("layerdrop.py", tmp_path_factory.mktemp("layerdrop") / "out.json", timeout=600)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hf_layerdrop_with_different_draws_per_rank_trains_as_transformers_synced_mode(layerdrop, stage):
+    # [Note: layers dropped on some ranks]: every rank runs every layer, as transformers does
+    # under FSDP, so no rank pairs one layer's collectives with another rank's of another layer.
+    ref, ours = layerdrop["ddp/synced"], layerdrop[f"stage{stage}"]
+    assert ours.keys() == ref.keys()
+    for name, values in ref.items():
+        assert ours[name] == values, name
+    # The draws did differ between the ranks: dropping layers changes the result (else the test could not fail).
+    assert any(layerdrop["ddp/dropping"][n] != v for n, v in ref.items())
+    assert "drops layers at random per rank" in layerdrop["warning"]
+
+
+def test_layers_dropped_names_the_hf_modules_that_drop_layers():
+    from transformers import GPT2Config, GPT2LMHeadModel, Wav2Vec2Config, Wav2Vec2ForCTC
+
+    from lightning_ampzero.zero.unused import layerdrop_message, layers_dropped
+
+    gpt = GPT2LMHeadModel(GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=16, n_positions=8))
+    assert layers_dropped(gpt) == []
+    config = dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8, conv_dim=(4,),
+                  conv_stride=(5,), conv_kernel=(10,), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2)
+    dropping = layers_dropped(Wav2Vec2ForCTC(Wav2Vec2Config(**config)))  # transformers' default layerdrop
+    assert dropping == ["Wav2Vec2Encoder (layerdrop=0.1)"]
+    assert "layerdrop=0.0" in layerdrop_message(dropping, 3)
+    assert layers_dropped(Wav2Vec2ForCTC(Wav2Vec2Config(**config, layerdrop=0.0))) == []

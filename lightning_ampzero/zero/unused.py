@@ -19,6 +19,20 @@ backward one all-reduce (MAX) of those flags, in model order (the same on every 
 ones no rank used: a gradient that this backward created for them (zeros) is set back to None.
 Under accumulation a gradient an earlier micro-batch left stays (zeros were added to it). The
 price is one small all-reduce per reducing backward.
+
+[Note: layers dropped on some ranks]
+Hugging Face's audio encoders (wav2vec2, HuBERT, WavLM, data2vec-audio, SEW, UniSpeech,
+SpeechT5, SeamlessM4T, ...) and NLLB-MoE drop whole layers at random in training (``layerdrop``,
+0.1 by default for wav2vec2), drawn per rank. At stages 1-3 a layer is a sharding unit whose
+forward all-gathers it, so a rank that skipped one would pair its next layer's collective with
+another rank's for this one. transformers has a mode for ZeRO-3 and FSDP ("synced GPUs": every
+rank runs every layer), on when the encoder has ``_is_fsdp_managed_module``, which
+``fully_shard`` sets on every module it manages. What a dropped layer's output becomes in that
+mode is transformers' choice: in transformers 5 it is kept, so layerdrop has no effect, as under
+its own Trainer with FSDP or DeepSpeed ZeRO-3. Measured (tests/scripts/layerdrop.py, a 4-layer
+wav2vec2, layerdrop 0.5, per-rank draws): stages 1-3 equal Lightning's ddp with that mode turned
+on by hand, bit for bit, and are 0.0465 from ddp dropping layers. Users are told once
+(``layerdrop_message``), since a regulariser they set does nothing.
 """
 
 from __future__ import annotations
@@ -79,3 +93,22 @@ class UnusedTracker:
             # Only a gradient this backward created: an earlier micro-batch's stays (zeros were added to it).
             if not anyone and fresh:
                 param.grad = None
+
+
+def layers_dropped(model: nn.Module) -> list[str]:
+    """"Class (layerdrop=p)" for each module whose Hugging Face config drops its layers in training."""
+    found = []
+    for module in model.modules():
+        layerdrop = getattr(getattr(module, "config", None), "layerdrop", 0.0)
+        if isinstance(layerdrop, (int, float)) and layerdrop > 0 and isinstance(getattr(module, "layers", None),
+                                                                                nn.ModuleList):
+            found.append(f"{type(module).__name__} (layerdrop={layerdrop})")
+    return found
+
+
+def layerdrop_message(dropping: list[str], stage: int) -> str:
+    return (f"ZeRO stage {stage}: {', '.join(dropping)} drops layers at random per rank. Sharded, every rank runs "
+            "every layer (transformers' mode for FSDP and DeepSpeed ZeRO-3), or the ranks' collectives would pair "
+            "different layers; transformers 5 keeps a dropped layer's output there, so layerdrop has no effect, as "
+            "under its own Trainer with FSDP or ZeRO-3. Set layerdrop=0.0 in the model's config to silence this, or "
+            "train at stage 0 (DDP, find_unused_parameters=True) to drop layers.")
