@@ -86,7 +86,7 @@ from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
 from lightning_ampzero.zero.apply import (after_manual_step, apply_zero, fsdp_modules, no_sync, overlap_comm_note,
                                          prepare_manual_backward, register_root_method)
 from lightning_ampzero.zero.init import ZeroInit, take_local_shards
-from lightning_ampzero.zero.unused import UnusedTracker, layerdrop_message, layers_dropped
+from lightning_ampzero.zero.unused import UnusedTracker, generate_in_step, layerdrop_message, layers_dropped
 from lightning_ampzero.zero.materialize import built_outside_note, materialize_meta_, move_real_tensors_
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -446,6 +446,7 @@ class AmpZeroStrategy(ParallelStrategy):
             mesh = self.device_mesh
             self._unused = UnusedTracker(mesh.get_group() if mesh.ndim == 1 else None)
             self._unused.install(module)
+            generate_in_step(module)  # [Note: generate() on some ranks] in zero/unused.py
             if trainer.state.fn == TrainerFn.FITTING and (dropping := layers_dropped(module)):
                 rank_zero_warn(layerdrop_message(dropping, self.stage))  # [Note: layers dropped on some ranks]
             materialize_meta_(module, offload_setup.param_init_device(self.config.offload, self.root_device), shards)

@@ -154,6 +154,12 @@ def diagnose(rank: int, before: dict[int, Record], after: dict[int, Record]) -> 
         else:
             lines.append(f"Every rank responds and is in {mine.describe()}: a collective that every rank entered is"
                          " not completing (the network, or a peer process outside this run).")
+    generating = sorted(r for r, rec in after.items() if rec.waiting.endswith(_IN_GENERATE))
+    if generating and len(generating) < len(after):
+        lines.append(f"Rank(s) {_ranks(generating)} wait in generate() and the others do not: while the model is "
+                     "sharded (stage 3, or stages 1-2 between a backward and the next forward) each forward needs "
+                     "every rank. Call generate() on every rank and keep only rank 0's output, or generate where "
+                     "evaluation has gathered the model (validation hooks, on_validation_epoch_end).")
     lines.append("Ending this process; every live rank does the same. Raise ZeroConfig.watchdog_s if a phase"
                  " legitimately takes longer, or 0 to turn the watchdog off.")
     return "\n".join(lines)
@@ -206,9 +212,10 @@ def blocked_in(thread_id: int) -> str:
     including when FSDP2 or DDP call it from an autograd hook during backward.
     """
     frame = sys._current_frames().get(thread_id)
-    found = ""
+    found, generating = "", False
     while frame is not None:
         code = frame.f_code
+        generating |= code.co_name == "generate" and f"{os.sep}transformers{os.sep}" in code.co_filename
         if code.co_filename.endswith(_C10D_FILES) and not code.co_name.startswith("_"):
             # the outermost public c10d function is the collective called; name its caller too
             caller = frame.f_back
@@ -217,7 +224,11 @@ def blocked_in(thread_id: int) -> str:
             where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}" if caller is not None else "?"
             found = f"{code.co_name} (called from {where})"
         frame = frame.f_back
-    return found
+    return f"{found}{_IN_GENERATE}" if found and generating else found
+
+
+#: Marks a collective called under transformers' generate() ([Note: generate() on some ranks]).
+_IN_GENERATE = " in transformers' generate()"
 
 
 def _print_report(message: str) -> None:

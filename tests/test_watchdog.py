@@ -70,6 +70,19 @@ def test_every_rank_in_the_same_or_in_different_collectives():
     assert "blocked in different collectives: rank 0 in all_reduce; rank 1 in broadcast" in diagnose(1, before, after)
 
 
+def test_a_rank_waiting_in_generate_alone_is_told_where_to_generate():
+    # Rank 0 alone runs transformers' generate() inside training_step at stage 3: all-gathers that
+    # only rank 0 entered (outside the step methods apply.OUTSIDE_STEP raises first).
+    gen = "all_gather_single (called from comm.py:364) in transformers' generate()"
+    before = {0: Record(1, 2, "training_step", gen), 1: Record(1, 2, "training_step", "all_gather_single")}
+    after = {0: Record(4, 2, "training_step", gen), 1: Record(4, 2, "training_step", "all_gather_single")}
+    message = diagnose(1, before, after)
+    assert "Rank(s) 0 wait in generate() and the others do not" in message
+    assert "on_validation_epoch_end" in message
+    after[1] = before[1] = Record(4, 2, "training_step", gen)  # every rank in generate(): no such line
+    assert "wait in generate()" not in diagnose(1, before, after)
+
+
 def test_blocked_in_reads_the_collective_off_a_threads_stack():
     from lightning_ampzero.watchdog import blocked_in
 

@@ -464,10 +464,34 @@ def register_root_method(module: nn.Module, name: str) -> None:
 # sees the updated parameters. Before that forward it also resets a step an exception interrupted
 # ([Note: a step interrupted by an exception] in recover.py: a retry in the same step method).
 def _before_forward_in_step(root: FSDPModule, module: nn.Module, args: object) -> None:
+    if torch._C._current_graph_task_id() != -1:
+        return
+    group = root._get_fsdp_state()._fsdp_param_group
     if reset_interrupted_step(root, in_step=True) or in_step_method():
-        group = root._get_fsdp_state()._fsdp_param_group
-        if group is not None and not group.is_unsharded and torch._C._current_graph_task_id() == -1:
+        if group is not None and not group.is_unsharded:
             root.unshard()
+    elif module is not root:
+        # [Note: a child called outside a step method]
+        # A hook (a sampling callback's on_train_epoch_end) calling ``self.model`` while the root's
+        # parameters are sharded failed deep in the model with torch's "got mixed torch.Tensor and
+        # DTensor". Gathering here would fix it only when every rank calls, and hang a call on rank
+        # 0 alone (the common case) until the watchdog: so say where the model is whole instead.
+        # A child holding none of the root's parameters (a torchmetrics metric) needs nothing.
+        from lightning_ampzero.memory import fsdp_param_groups
+
+        # Stage 3's units inside the child would all-gather on the calling ranks alone.
+        held = {id(fp.sharded_param) for fp in group.fsdp_params} if group is not None else set()
+        sharded = group is not None and not group.is_unsharded and any(id(p) in held for p in module.parameters())
+        if sharded or any(not g.is_unsharded for g in fsdp_param_groups(module)):
+            raise RuntimeError(OUTSIDE_STEP.format(name=type(module).__name__))
+
+
+OUTSIDE_STEP = (
+    "{name} was called outside the LightningModule's step methods while ZeRO keeps its parameters sharded "
+    "(stages 1-3 gather them in each step and shard them again after the backward). Call it inside a step "
+    "method, or from the validation hooks (validation_step, on_validation_epoch_end), where evaluation has "
+    "gathered the model, on every rank or on rank 0 alone: for example, generate samples in "
+    "on_validation_epoch_end instead of on_train_epoch_end.")
 
 
 def prepare_manual_backward(root: nn.Module, loss: object) -> None:

@@ -33,6 +33,18 @@ its own Trainer with FSDP or DeepSpeed ZeRO-3. Measured (tests/scripts/layerdrop
 wav2vec2, layerdrop 0.5, per-rank draws): stages 1-3 equal Lightning's ddp with that mode turned
 on by hand, bit for bit, and are 0.0465 from ddp dropping layers. Users are told once
 (``layerdrop_message``), since a regulariser they set does nothing.
+
+[Note: generate() on some ranks]
+``fully_shard`` marks the model too, so transformers' ``generate()`` runs synced: one all-reduce
+per token, so that ranks whose sequences end at different steps keep calling the model while
+its forward needs collectives. The most common sampling code, a callback that generates on rank 0
+only (``if trainer.is_global_zero``), then waits in that all-reduce for ranks that never come:
+measured on a GPT-2 in ``on_validation_epoch_end`` at stages 2 and 3, the watchdog ended the run,
+where Lightning's ddp printed the sample. Synced generation is needed only while some unit is
+sharded: when every unit is gathered (evaluation leaves them so) a forward needs no collective,
+and one rank, or ranks stopping at different steps, generate alone. So a transformers model's
+``generate`` decides ``synced_gpus`` per call, when the caller does not: synced while any of its
+units is sharded. With that, the sample above matches ddp's at stages 1-3.
 """
 
 from __future__ import annotations
@@ -112,3 +124,32 @@ def layerdrop_message(dropping: list[str], stage: int) -> str:
             "different layers; transformers 5 keeps a dropped layer's output there, so layerdrop has no effect, as "
             "under its own Trainer with FSDP or ZeRO-3. Set layerdrop=0.0 in the model's config to silence this, or "
             "train at stage 0 (DDP, find_unused_parameters=True) to drop layers.")
+
+
+def generate_in_step(model: nn.Module) -> int:
+    """Each transformers model under ``model`` chooses ``synced_gpus`` per ``generate()`` call: synced while
+    one of its units is sharded ([Note: generate() on some ranks]). Returns how many were wrapped."""
+    import sys
+
+    if "transformers" not in sys.modules:  # only transformers' generate() takes synced_gpus
+        return 0
+    from transformers import GenerationMixin
+
+    from lightning_ampzero.memory import fsdp_param_groups
+
+    wrapped = 0
+    for module in model.modules():
+        if not isinstance(module, GenerationMixin) or "generate" in vars(module):
+            continue
+        groups = fsdp_param_groups(module)
+        original = module.generate
+
+        @functools.wraps(original)
+        def generate(*args: Any, _original: Any = original, _groups: list = groups, **kwargs: Any) -> Any:
+            if kwargs.get("synced_gpus") is None and dist.is_initialized():
+                kwargs["synced_gpus"] = dist.get_world_size() > 1 and not all(g.is_unsharded for g in _groups)
+            return _original(*args, **kwargs)
+
+        module.generate = generate
+        wrapped += 1
+    return wrapped
