@@ -487,11 +487,13 @@ def _before_forward_in_step(root: FSDPModule, module: nn.Module, args: object) -
 
 
 OUTSIDE_STEP = (
-    "{name} was called outside the LightningModule's step methods while ZeRO keeps its parameters sharded "
-    "(stages 1-3 gather them in each step and shard them again after the backward). Call it inside a step "
-    "method, or from the validation hooks (validation_step, on_validation_epoch_end), where evaluation has "
-    "gathered the model, on every rank or on rank 0 alone: for example, generate samples in "
-    "on_validation_epoch_end instead of on_train_epoch_end.")
+    "{name} was called outside the LightningModule's step methods while ZeRO keeps its parameters sharded. "
+    "Stages 1-3 gather them in each step and shard them again after the backward. Call it inside a step method, "
+    "or from the validation hooks (validation_step, on_validation_epoch_end), where evaluation has gathered the "
+    "model, on every rank or on rank 0 alone: for example, generate samples in on_validation_epoch_end instead of "
+    "on_train_epoch_end. After trainer.fit() has returned, save the model on every rank "
+    "(lightning_ampzero.hf.save_pretrained(model, out_dir)) and load it whole in one process "
+    "(from_pretrained(out_dir)), or run trainer.predict() with generate() in predict_step.")
 
 
 def prepare_manual_backward(root: nn.Module, loss: object) -> None:
