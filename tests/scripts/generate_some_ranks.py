@@ -24,6 +24,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import lightning.pytorch as pl
 
+from _common import full_params
+
 from lightning_ampzero.process import run_and_exit
 from lightning_ampzero.strategy import AmpZeroStrategy
 
@@ -78,8 +80,7 @@ def _run(strategy, sample_in: str = "on_validation_epoch_end") -> dict:
     data = DataLoader(TensorDataset(torch.randint(1, 100, (8, 5), generator=torch.Generator().manual_seed(1))),
                       batch_size=2)
     trainer.fit(module, data, data)
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
-              for n, p in module.named_parameters()}
+    params = full_params(module)
     return {"params": params, "samples": module.samples}
 
 

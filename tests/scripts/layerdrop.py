@@ -23,6 +23,8 @@ from transformers import Wav2Vec2Config, Wav2Vec2Model
 
 import lightning.pytorch as pl
 
+from _common import full_params
+
 from lightning_ampzero.process import run_and_exit
 from lightning_ampzero.strategy import AmpZeroStrategy
 
@@ -63,8 +65,7 @@ def _run(strategy, synced_by_hand: bool = False, warned: list | None = None) -> 
         trainer.fit(module, DataLoader(data, batch_size=2))
     if warned is not None:
         warned.extend(str(w.message) for w in caught)
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
-            for n, p in module.named_parameters()}
+    return full_params(module)
 
 
 def main() -> None:

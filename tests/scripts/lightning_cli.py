@@ -16,6 +16,8 @@ import torch.distributed as dist
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 
+from _common import full_params
+
 from lightning_ampzero.process import run_and_exit
 
 
@@ -23,8 +25,7 @@ def main() -> None:
     cli = LightningCLI(BoringModel, BoringDataModule, save_config_callback=None)
     strategy = cli.trainer.strategy
     config = getattr(strategy, "config", None)
-    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
-               for n, p in cli.model.named_parameters()}
+    weights = full_params(cli.model)
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(os.environ["AMPZERO_TEST_OUT"]).write_text(json.dumps({
             "strategy": type(strategy).__name__,

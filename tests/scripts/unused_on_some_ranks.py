@@ -20,6 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
 
+from _common import full_params
+
 from lightning_ampzero.process import run_and_exit
 from lightning_ampzero.strategy import AmpZeroStrategy
 
@@ -62,8 +64,7 @@ def _run(strategy, accumulate: int) -> dict[str, list[float]]:
                          enable_model_summary=False)
     data = TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(1)))
     trainer.fit(module, DataLoader(data, batch_size=2))
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
-            for n, p in module.named_parameters()}
+    return full_params(module)
 
 
 def main() -> None:

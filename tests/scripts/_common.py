@@ -1,0 +1,11 @@
+"""What several training scripts share."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def full_params(module: nn.Module) -> dict[str, list[float]]:
+    """Every parameter of ``module`` whole (a sharded DTensor gathered; a collective at stages 1-3), as JSON lists."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
+            for n, p in module.named_parameters()}
