@@ -153,7 +153,8 @@ def diagnose(rank: int, before: dict[int, Record], after: dict[int, Record]) -> 
                          + " (ranks that called different collectives never match).")
         else:
             lines.append(f"Every rank responds and is in {mine.describe()}: a collective that every rank entered is"
-                         " not completing (the network, or a peer process outside this run).")
+                         " not completing (the network, a peer process outside this run, or ranks that reached it"
+                         " for different sharding units: at stages 1-3 every rank must run each unit's forward).")
     generating = sorted(r for r, rec in after.items() if rec.waiting.endswith(_IN_GENERATE))
     if generating and len(generating) < len(after):
         lines.append(f"Rank(s) {_ranks(generating)} wait in generate() and the others do not: while the model is "
@@ -212,10 +213,12 @@ def blocked_in(thread_id: int) -> str:
     including when FSDP2 or DDP call it from an autograd hook during backward.
     """
     frame = sys._current_frames().get(thread_id)
-    found, generating = "", False
+    found, generating, ring = "", False, False
     while frame is not None:
         code = frame.f_code
         generating |= code.co_name == "generate" and f"{os.sep}transformers{os.sep}" in code.co_filename
+        # Our reduce-scatter ring (zero/comm.py) waits on isend/irecv works, in no c10d function.
+        ring |= code.co_name == "_run" and code.co_filename.endswith(_RING_FILE)
         if code.co_filename.endswith(_C10D_FILES) and not code.co_name.startswith("_"):
             # the outermost public c10d function is the collective called; name its caller too
             caller = frame.f_back
@@ -224,7 +227,11 @@ def blocked_in(thread_id: int) -> str:
             where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}" if caller is not None else "?"
             found = f"{code.co_name} (called from {where})"
         frame = frame.f_back
+    found = found or ("the gradient reduce-scatter ring's sends and receives (zero/comm.py)" if ring else "")
     return f"{found}{_IN_GENERATE}" if found and generating else found
+
+
+_RING_FILE = os.path.join("lightning_ampzero", "zero", "comm.py")
 
 
 #: Marks a collective called under transformers' generate() ([Note: generate() on some ranks]).
