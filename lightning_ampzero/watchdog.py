@@ -145,19 +145,28 @@ def diagnose(rank: int, before: dict[int, Record], after: dict[int, Record]) -> 
                      + "; ".join(f"rank {r} is in {live[r].describe()}" for r in behind) + ".")
         if rank in behind:
             lines.append(f"This rank ({rank}) is one of them: look at what it does in step {mine.step}, {mine.phase}.")
+    places = {(rec.step, rec.phase.removeprefix(_EXITED)) for rec in live.values()}
     if not silent and not behind:
         calls = sorted({rec.waiting for rec in live.values()})
         if len(calls) > 1:
             lines.append("Every rank responds, but they are blocked in different collectives: "
                          + "; ".join(f"rank {r} in {rec.waiting}" for r, rec in sorted(live.items()))
                          + " (ranks that called different collectives never match).")
+        elif len(places) > 1:
+            lines.append(f"Every rank responds and is blocked in {calls[0]}, but from different places: "
+                         + "; ".join(f"rank {r} in step {rec.step}, {rec.phase.removeprefix(_EXITED)}"
+                                     for r, rec in sorted(live.items()))
+                         + ". One collective reached from different code pairs calls that do not belong together:"
+                         " look for code that runs on some ranks only (under `if trainer.is_global_zero`, in a"
+                         " rank-zero-only callback).")
         else:
             lines.append(f"Every rank responds and is in {mine.describe()}: a collective that every rank entered is"
                          " not completing (the network, a peer process outside this run, or ranks that reached it"
                          " for different sharding units: at stages 1-3 every rank must run each unit's forward).")
     generating = sorted(r for r, rec in after.items() if rec.waiting.endswith(_IN_GENERATE))
-    if generating and len(generating) < len(after):
-        lines.append(f"Rank(s) {_ranks(generating)} wait in generate() and the others do not: while the model is "
+    if generating and (len(generating) < len(after) or len(places) > 1):
+        others = "the others do not" if len(generating) < len(after) else "not all from the same place"
+        lines.append(f"Rank(s) {_ranks(generating)} wait in generate(), {others}: while the model is "
                      "sharded (stage 3, or stages 1-2 between a backward and the next forward) each forward needs "
                      "every rank. Call generate() on every rank and keep only rank 0's output, or generate where "
                      "evaluation has gathered the model (validation hooks, on_validation_epoch_end).")

@@ -78,10 +78,15 @@ def test_a_rank_waiting_in_generate_alone_is_told_where_to_generate():
     before = {0: Record(1, 2, "training_step", gen), 1: Record(1, 2, "training_step", "all_gather_single")}
     after = {0: Record(4, 2, "training_step", gen), 1: Record(4, 2, "training_step", "all_gather_single")}
     message = diagnose(1, before, after)
-    assert "Rank(s) 0 wait in generate() and the others do not" in message
+    assert "Rank(s) 0 wait in generate(), the others do not" in message
     assert "on_validation_epoch_end" in message
-    after[1] = before[1] = Record(4, 2, "training_step", gen)  # every rank in generate(): no such line
-    assert "wait in generate()" not in diagnose(1, before, after)
+    before[1], after[1] = Record(1, 2, "training_step", gen), Record(4, 2, "training_step", gen)
+    assert "wait in generate()" not in diagnose(1, before, after)  # every rank in one generate()
+    # Rank 0 generating in on_train_epoch_end, rank 1 in training_step: one collective, two places.
+    before[0], after[0] = Record(1, 2, "between_steps", gen), Record(4, 2, "between_steps", gen)
+    message = diagnose(1, before, after)
+    assert "but from different places: rank 0 in step 2, between_steps; rank 1 in step 2, training_step" in message
+    assert "Rank(s) 0, 1 wait in generate(), not all from the same place" in message
 
 
 def test_blocked_in_reads_the_collective_off_a_threads_stack():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -264,8 +265,11 @@ def checkpoint_fetcher(ckpt: Path, source: dict[str, tuple[str, Any]]) -> Callab
     def fetch(e: Entry) -> torch.Tensor:
         key, meta = source[e.name]
         t = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        dcp.load({key: t}, storage_reader=FileSystemReader(str(ckpt)), no_dist=True,
-                 planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+        with warnings.catch_warnings():
+            # no_dist=True asks for one process; torch still warns that it assumes so, once per tensor.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({key: t}, storage_reader=FileSystemReader(str(ckpt)), no_dist=True,
+                     planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
         return t.to(e.dtype)
 
     return fetch

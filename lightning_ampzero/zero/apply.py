@@ -474,15 +474,15 @@ def _before_forward_in_step(root: FSDPModule, module: nn.Module, args: object) -
         # [Note: a child called outside a step method]
         # A hook (a sampling callback's on_train_epoch_end) calling ``self.model`` while the root's
         # parameters are sharded failed deep in the model with torch's "got mixed torch.Tensor and
-        # DTensor". Gathering here would fix it only when every rank calls, and hang a call on rank
-        # 0 alone (the common case) until the watchdog: so say where the model is whole instead.
-        # A child holding none of the root's parameters (a torchmetrics metric) needs nothing.
-        from lightning_ampzero.memory import fsdp_param_groups
-
-        # Stage 3's units inside the child would all-gather on the calling ranks alone.
-        held = {id(fp.sharded_param) for fp in group.fsdp_params} if group is not None else set()
-        sharded = group is not None and not group.is_unsharded and any(id(p) in held for p in module.parameters())
-        if sharded or any(not g.is_unsharded for g in fsdp_param_groups(module)):
+        # DTensor", on every rank that called it: FSDP2 gathers the root only in the root's forward.
+        # Gathering here would fix it only when every rank calls, and hang a call on rank 0 alone
+        # (the common case) until the watchdog: so say where the model is whole instead. Units
+        # inside the child gather themselves (every rank calling it after fit works at stage 3), and
+        # a child holding none of the root's parameters (a torchmetrics metric) needs nothing.
+        if group is None or group.is_unsharded:
+            return
+        held = {id(fp.sharded_param) for fp in group.fsdp_params}
+        if any(id(p) in held for p in module.parameters()):
             raise RuntimeError(OUTSIDE_STEP.format(name=type(module).__name__))
 
 
