@@ -52,6 +52,14 @@ def run_script(name: str, *args: str, timeout: float = 600, env: Optional[dict[s
     return proc
 
 
+def run_script_failing(name: str, *args: str, timeout: float = 300, why: str = "") -> subprocess.CompletedProcess:
+    """Run a script of tests/scripts that must end with an error (its exit status is not 0); its output, for the checks."""
+    proc = subprocess.run([sys.executable, str(SCRIPTS / name), *args], env=script_env(), capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode != 0, why or f"{name} was expected to fail:\n{_tail(proc.stdout, 3000)}"
+    return proc
+
+
 # Lightning's per-Trainer banners: they would fill the tail of a failed run's output that CI shows.
 _NOISE = re.compile(r"^(GPU available|TPU available|💡 Tip|`Trainer\.fit` stopped|Initializing distributed|-{20,}|"
                     r"distributed_backend=|All distributed processes registered|\s*$)")

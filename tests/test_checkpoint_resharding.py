@@ -4,12 +4,9 @@ checkpoint loadable and the partial one recognisably incomplete."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from _scripts import SCRIPTS, max_rel_diff, run_json, script_env
+from _scripts import max_rel_diff, run_json, run_script_failing
 
 TOL = 1e-5
 
@@ -43,10 +40,9 @@ def test_resume_from_one_rank_stage2_on_two_ranks_stage3(tmp_path):
 
 def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):
     ck = tmp_path / "ck"
-    cmd = [sys.executable, str(SCRIPTS / "reshard.py"), "--phase", "save", "--stage", "3", "--devices", "2",
-           "--ckpt-dir", str(ck), "--kill-at-save", "2", "--out", str(tmp_path / "never.json")]
-    proc = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode != 0, "the run was supposed to be killed during its second save"
+    run_script_failing("reshard.py", "--phase", "save", "--stage", "3", "--devices", "2", "--ckpt-dir", str(ck),
+                       "--kill-at-save", "2", "--out", str(tmp_path / "never.json"), timeout=600,
+                       why="the run was supposed to be killed during its second save")
     names = sorted(p.name for p in ck.iterdir())
     # the first checkpoint is complete, the second exists only as an incomplete staging dir
     assert names == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt.incomplete"], names

@@ -4,12 +4,9 @@ errors where DDP cannot go on, on 2 ranks."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from _scripts import SCRIPTS, ROOT, run_json, script_env
+from _scripts import run_json, run_script_failing
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +61,7 @@ def test_a_gan_stepped_through_one_generator_forward_trains_as_lightnings_ddp(ga
 
 
 def _stopped(flag: str) -> str:
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "interrupted.py"), flag], env=script_env(),
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode != 0
-    return proc.stderr
+    return run_script_failing("interrupted.py", flag).stderr
 
 
 def test_stage_0_stops_with_a_clear_error_after_an_interrupted_backward():

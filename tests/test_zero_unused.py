@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from _scripts import run_json
+from _scripts import run_json, run_script_failing
 
 
 @pytest.fixture(scope="module")
@@ -87,15 +87,8 @@ def test_a_sharded_model_called_on_rank_zero_outside_the_steps_says_what_to_do(t
     # gather themselves, which works when every rank calls: rank 0 alone waits in their
     # all-gathers, and the watchdog says the ranks came from different places, in generate() (it
     # said "a collective that every rank entered is not completing (the network ...)").
-    import subprocess
-    import sys
-
-    from _scripts import SCRIPTS, script_env
-
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "generate_some_ranks.py"), "--out", str(tmp_path / "o.json"),
-                           "--train-epoch-end-stage", str(stage)], env=script_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode != 0
+    proc = run_script_failing("generate_some_ranks.py", "--out", str(tmp_path / "o.json"),
+                              "--train-epoch-end-stage", str(stage))
     out = proc.stdout + proc.stderr
     if stage == 1:
         assert "GPT2LMHeadModel was called outside the LightningModule's step methods" in out
