@@ -126,18 +126,17 @@ def layerdrop_message(dropping: list[str], stage: int) -> str:
             "train at stage 0 (DDP, find_unused_parameters=True) to drop layers.")
 
 
-def generate_in_step(model: nn.Module) -> int:
+def generate_in_step(model: nn.Module) -> None:
     """Each transformers model under ``model`` chooses ``synced_gpus`` per ``generate()`` call: synced while
-    one of its units is sharded ([Note: generate() on some ranks]). Returns how many were wrapped."""
+    one of its units is sharded ([Note: generate() on some ranks])."""
     import sys
 
     if "transformers" not in sys.modules:  # only transformers' generate() takes synced_gpus
-        return 0
+        return
     from transformers import GenerationMixin
 
     from lightning_ampzero.memory import fsdp_param_groups
 
-    wrapped = 0
     for module in model.modules():
         if not isinstance(module, GenerationMixin) or "generate" in vars(module):
             continue
@@ -151,5 +150,3 @@ def generate_in_step(model: nn.Module) -> int:
             return _original(*args, **kwargs)
 
         module.generate = generate
-        wrapped += 1
-    return wrapped
