@@ -105,6 +105,15 @@ FREED_IN_BACKWARD = (
 )
 
 
+def _flat_keywords() -> dict[str, type]:
+    """Each keyword :func:`resolve_config` takes flat -> the config dataclass whose field it is.
+
+    The sections' field names are distinct, so ``stage=3`` can only mean ``ZeroConfig.stage``.
+    """
+    return {f.name: section for section in (AmpZeroConfig, ZeroConfig, OffloadConfig)
+            for f in dataclasses.fields(section) if f.init}
+
+
 def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroConfig, Any]:
     """The AmpZeroConfig for a strategy: from ours, a DeepSpeed config (path or dict), or defaults; plus overrides.
 
@@ -134,18 +143,15 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
         # `precision`, which wins over the Trainer's flag (the way to get 16-mixed on CPU).
         overrides = dict(overrides)
         cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, precision=overrides.pop("precision")))
-    top = {f.name for f in dataclasses.fields(AmpZeroConfig)}
-    zero = {f.name for f in dataclasses.fields(ZeroConfig)}
-    offload = {f.name for f in dataclasses.fields(OffloadConfig)}  # [offload] flat: offload_optimizer="cpu", ...
-    top_kw = {k: v for k, v in overrides.items() if k in top}
-    zero_kw = {k: v for k, v in overrides.items() if k in zero}
-    offload_kw = {k: v for k, v in overrides.items() if k in offload}
-    unknown = [k for k in overrides if k not in top and k not in zero and k not in offload]
+    owner = _flat_keywords()  # [offload] flat too: offload_optimizer="cpu", ...
+    unknown = [k for k in overrides if k not in owner]
     if unknown:
         raise TypeError(
-            f"AmpZeroStrategy got an unknown argument {unknown[0]!r}.{suggest(unknown[0], top | zero | offload)}"
-            f" Arguments: config, {', '.join(sorted((top - {'zero'}) | zero | offload))}."
+            f"AmpZeroStrategy got an unknown argument {unknown[0]!r}.{suggest(unknown[0], set(owner))}"
+            f" Arguments: config, {', '.join(sorted(set(owner) - {'zero'}))}."
         )
+    top_kw, zero_kw, offload_kw = ({k: v for k, v in overrides.items() if owner[k] is section}
+                                   for section in (AmpZeroConfig, ZeroConfig, OffloadConfig))
     # A nested config may be given as a mapping (e.g. the registry's init params, a Hydra node), and
     # activation_checkpointing as its mode ("full", "selective"), compile as a bool.
     hints = typing.get_type_hints(AmpZeroConfig)
@@ -180,14 +186,14 @@ def _keyword_signature(init: Any) -> inspect.Signature:
     """
     params = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     shorthand = {"precision": str, "activation_checkpointing": str, "compile": bool}
-    for section in (AmpZeroConfig, ZeroConfig, OffloadConfig):
-        hints = typing.get_type_hints(section)
-        for name in (f.name for f in dataclasses.fields(section) if f.init and f.name != "zero"):
-            hint = hints[name]
-            if section is AmpZeroConfig:  # a nested section: also a mapping, some also a shorthand
-                hint = Union[(hint, shorthand[name], dict)] if name in shorthand else Union[hint, dict]
-            params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                            annotation=Optional[hint]))
+    for name, section in _flat_keywords().items():
+        if name == "zero":  # its fields are keywords of their own
+            continue
+        hint = typing.get_type_hints(section)[name]
+        if section is AmpZeroConfig:  # a nested section: also a mapping, some also a shorthand
+            hint = Union[(hint, shorthand[name], dict)] if name in shorthand else Union[hint, dict]
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Optional[hint]))
     return inspect.Signature(params, return_annotation=None)
 
 
