@@ -129,6 +129,8 @@ def test_fp16_auto_cast_with_adam_section():
     assert r.config.precision.loss_scaler.initial_scale_power == 12
     assert r.optimizer.type == "AdamW" and r.optimizer.weight_decay == 0.1
     assert "optimizer.params.torch_adam" in dict(r.no_effect)
+    # auto_cast (DeepSpeed's casting of an fp16 model's inputs) is listed, not silently dropped
+    assert "torch autocast casts each op's inputs" in dict(r.no_effect)["fp16.auto_cast"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -238,7 +240,7 @@ def test_unknown_keys_fail_with_path_and_suggestion(config, expected):
         ({"zero_optimization": {"stage": 4}}, "Allowed values: 0"),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable one precision"),
         ({"communication_data_type": "int8"}, "Allowed values: fp32, fp16, bf16"),
-        ({"optimizer": {"type": "Lamb", "params": {}}}, "Allowed values: 'Adam', 'AdamW'"),
+        ({"optimizer": {"type": "Adamm", "params": {}}}, "Allowed values: 'Adam', 'AdamW'"),
         ({"scheduler": {"type": "OneCycle", "params": {}}}, "configure it in your LightningModule"),
         ({"zero_optimization": {"offload_param": {"device": "gpu"}}}, "'none', 'cpu', 'nvme'"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be a whole number >= 1"),
@@ -439,6 +441,28 @@ def test_a_module_with_its_own_optimizer_gets_the_config_scheduler_as_in_deepspe
     sched = out["lr_scheduler"]["scheduler"]
     assert isinstance(sched, WarmupDecayLR) and out["lr_scheduler"]["interval"] == "step"
     assert sched.max_lrs == [0.002] and sched.total_num_steps == 100  # the section's values, not the client's lr
+
+
+def test_another_deepspeed_optimizer_is_ignored_beside_the_modules_own_and_refused_without_it():
+    # [Note: a DeepSpeed optimizer we do not build]. Before: Lamb's own params (max_coeff) were
+    # refused as unknown keys, a message about typos, before its type was read (a new-user trial).
+    cfg = {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 0.3, "min_coeff": 0.01}},
+           "zero_optimization": {"stage": 2}}
+    r = convert_deepspeed_config(cfg)
+    assert r.optimizer is None and "optimizer.type='Lamb' (a DeepSpeed optimizer) is not built here" in \
+        r.unsupported_optimizer
+    module = _own_optimizer_module()
+    module.trainer = SimpleNamespace(estimated_stepping_batches=7)  # type: ignore[assignment]
+    r.install_optimizers(module)
+    with pytest.warns(DeepSpeedConfigWarning, match="optimizer section is ignored"):
+        assert isinstance(module.configure_optimizers(), torch.optim.SGD)
+    with pytest.raises(DeepSpeedConfigError, match="configures no optimizer, and the config's optimizer.type='Lamb'"):
+        r.configure_optimizers(_bare_module())
+    with pytest.raises(DeepSpeedConfigError, match="remove the optimizer section"):
+        r.hydra_values(2)
+    # A name DeepSpeed does not know stays an error, with a suggestion.
+    with pytest.raises(DeepSpeedConfigError, match="optimizer.type='AdamWW' is not supported.*AdamW"):
+        convert_deepspeed_config({"optimizer": {"type": "AdamWW"}})
 
 
 def test_own_optimizer_with_config_scheduler_follows_deepspeeds_lr_sequence(tmp_path):
@@ -683,10 +707,34 @@ def test_cli_checks_the_batch_sizes_against_the_world_size(tmp_path, capsys):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 17, "train_micro_batch_size_per_gpu": 8}))
     assert config_main(["from-deepspeed", str(path), "--world-size", "2"]) != 0
+    assert "train_batch_size=17 is not a multiple of train_micro_batch_size_per_gpu (8) x world size (2) = 16" \
+           in capsys.readouterr().err
+    path.write_text(json.dumps({"train_batch_size": 17, "train_micro_batch_size_per_gpu": 8,
+                                "gradient_accumulation_steps": 1}))
+    assert config_main(["from-deepspeed", str(path), "--world-size", "2"]) != 0
     assert "train_batch_size=17 must equal train_micro_batch_size_per_gpu (8) x gradient accumulation (1) x world" \
            " size (2) = 16" in capsys.readouterr().err
     path.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8}))
     assert config_main(["from-deepspeed", str(path), "--world-size", "2"]) == 0
+    capsys.readouterr()
+
+
+def test_two_batch_sizes_imply_the_accumulation_as_deepspeed_infers_it(capsys):
+    # DeepSpeed takes any two of the three batch settings (a Megatron-DeepSpeed script's 8 and 2 on
+    # 2 ranks was refused as "must equal 4": a new-user trial); accumulation = 8 / (2 x 2).
+    cfg = convert_deepspeed_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                                    "zero_optimization": {"stage": 2}})
+    assert cfg.accumulation(2) == 2 and cfg.micro_batch(2) == 2
+    assert cfg.hydra_values(2)["trainer"] == {"accumulate_grad_batches": 2}
+    assert cfg.accumulation(4) == 1
+    trainer = SimpleNamespace(world_size=2, accumulate_grad_batches=1, gradient_clip_val=None,
+                                    precision="32-true", lightning_module=None)
+    cfg.apply_to_trainer(trainer)
+    assert trainer.accumulate_grad_batches == 2
+    # "auto" is the Trainer's: nothing inferred, and the sizes are checked against the Trainer's value.
+    auto = convert_deepspeed_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                                     "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}})
+    assert auto.accumulation(2) == 1
 
 
 def test_a_config_without_a_stage_is_deepspeeds_stage_0():
@@ -749,3 +797,24 @@ def test_a_fit_logs_the_auto_values_it_resolved(tmp_path):
     assert "zero_optimization.reduce_bucket_size = 500000000.0 (the default)" in said[0]
     assert "gradient_accumulation_steps = 1 (the Trainer's)" in said[0]
     assert "train_micro_batch_size_per_gpu = 2 (from the training DataLoader's batch_size)" in said[0]
+
+
+def test_keys_deepspeed_itself_never_reads_are_listed_not_refused():
+    # LLaMA-Factory's ds_z*_config.json templates carry comms_config / monitor_config (and an fp8
+    # section), which DeepSpeed's parser skips: refused as misspellings, none of them imported.
+    r = convert_deepspeed_config({"zero_optimization": {"stage": 2}, "comms_config": {"verbose": False},
+                                  "monitor_config": {"enabled": True}, "fp8": {"enabled": True}})
+    listed = dict(r.no_effect)
+    assert set(listed) >= {"comms_config", "monitor_config", "fp8"}
+    assert "AmpZeroStrategy(fp8=...)" in listed["fp8"] and not r.config.fp8.enabled
+    with pytest.raises(DeepSpeedConfigError, match="comms_loger"):  # a misspelt key DeepSpeed reads is still refused
+        convert_deepspeed_config({"comms_loger": {}})
+
+
+def test_stage3_without_max_reuse_distance_takes_deepspeeds_default():
+    # DeepSpeed's stage3_max_reuse_distance defaults to 1e9, AmpZeroStrategy's max_reuse_distance to 0.
+    r = convert_deepspeed_config({"zero_optimization": {"stage": 3}})
+    assert r.config.zero.max_reuse_distance == 1e9
+    assert convert_deepspeed_config({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0}}
+                                    ).config.zero.max_reuse_distance == 0
+    assert convert_deepspeed_config({"zero_optimization": {"stage": 2}}).config.zero.max_reuse_distance == 0

@@ -61,6 +61,14 @@ _TOP: dict[str, Any] = {
     "comet": _NoEffect(_MONITOR),
     "comms_logger": _NoEffect(_MONITOR),
     "timers": _NoEffect(_MONITOR),
+    # Keys DeepSpeed's own parser never reads, carried by popular templates (LLaMA-Factory's
+    # ds_z*_config.json): DeepSpeed ignores them, so refusing them as misspellings blocked those
+    # configs from importing (a new-user trial).
+    "comms_config": _NoEffect("DeepSpeed does not read it either (its key is comms_logger); " + _MONITOR),
+    "monitor_config": _NoEffect("DeepSpeed does not read it either (its keys are tensorboard, wandb, csv_monitor);"
+                                " " + _MONITOR),
+    "fp8": _NoEffect("DeepSpeed does not read an fp8 section either (FP8 comes from Transformer Engine there);"
+                     " FP8 here is AmpZeroStrategy(fp8=...) or the msamp section"),
     "disable_allgather": _NoEffect(_FSDP),
     "seq_parallel_communication_data_type": _NoEffect("sequence parallelism is not part of lightning_ampzero"),
     "sequence_parallel_size": _NoEffect("sequence parallelism is not part of lightning_ampzero"),
@@ -100,6 +108,7 @@ class _Converter:
         self.unknown: list[str] = []
         self.errors: list[str] = []
         self.optimizer: Optional[OptimizerConfig] = None
+        self.unsupported_optimizer: Optional[str] = None
         self.optimizer_auto: list[str] = []
         self.scheduler: Optional[SchedulerConfig] = None
         self.notes: list[tuple[str, str]] = []
@@ -222,6 +231,7 @@ class _Converter:
             train_batch_size=sizes.get("train_batch_size"), optimizer=self.optimizer, scheduler=self.scheduler,
             no_effect=tuple(self.no_effect), auto=tuple(self.auto), source=self.source,
             optimizer_auto=tuple(self.optimizer_auto), notes=tuple(self.notes),
+            unsupported_optimizer=self.unsupported_optimizer,
             auto_targets=tuple(self.auto_targets.items()),
         )
 

@@ -194,13 +194,22 @@ def _type_and_params(conv: Any, data: dict[str, Any], section: str, known: tuple
 def convert_optimizer(conv: Any, opt: dict[str, Any]) -> None:
     if not opt:
         return
-    name, params = _type_and_params(conv, opt, "optimizer", _OPTIMIZER_PARAMS)
+    conv.check_keys(opt, ("type", "params"), "optimizer")
+    name = str(opt.get("type", ""))
     kind = _OPTIMIZER_NAMES.get(name.lower())
+    if kind is None and name.lower() in _DS_OTHER_OPTIMIZERS:
+        # Another of DeepSpeed's optimizers (Lamb, OneBitAdam, ...), its params its own: needed only
+        # when the module configures no optimizer ([Note: a DeepSpeed optimizer we do not build]).
+        conv.unsupported_optimizer = (
+            f"optimizer.type={name!r} (a DeepSpeed optimizer) is not built here: only 'Adam' and 'AdamW' are."
+            " Configure it in the LightningModule's configure_optimizers() (e.g. timm.optim.Lamb), and the"
+            " config's optimizer section is ignored, as DeepSpeed ignores it for a client optimizer.")
+        return
     if kind is None:
         hint = suggest(name, _OPTIMIZER_NAMES.values())
-        extra = " (a DeepSpeed optimizer: configure it in your LightningModule)" if name.lower() in _DS_OTHER_OPTIMIZERS else ""
-        conv.errors.append(f"optimizer.type={name!r} is not supported{extra}. Allowed values: 'Adam', 'AdamW'.{hint}")
+        conv.errors.append(f"optimizer.type={name!r} is not supported. Allowed values: 'Adam', 'AdamW'.{hint}")
         return
+    _, params = _type_and_params(conv, opt, "optimizer", _OPTIMIZER_PARAMS)
     if kind == "Adam" and params.get("adam_w_mode", True) is not False:
         kind = "AdamW"  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
     for key in ("torch_adam", "fused"):

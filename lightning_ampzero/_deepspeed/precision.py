@@ -56,6 +56,12 @@ def convert_precision(conv: Any, data: Mapping[str, Any]) -> None:
         chosen.append(("16-mixed", "fp16.enabled"))
         if fp16.get("auto_cast") not in (None, False, True) and not _is_auto(fp16.get("auto_cast")):
             conv.errors.append(f"fp16.auto_cast must be true or false, got {fp16['auto_cast']!r}.")
+        elif fp16.get("auto_cast") is not None:
+            # Accepted without a word before (a trial): DeepSpeed's switch for casting the inputs of
+            # its fp16 model, which has no counterpart under autocast.
+            conv.no_effect.append(("fp16.auto_cast", "fp16 runs as \"16-mixed\": torch autocast casts each op's"
+                                   " inputs over fp32 parameters, whatever auto_cast says (precision=\"16-true\""
+                                   " keeps fp16 parameters with fp32 masters)"))
     elif fp16:
         # Like DeepSpeed, the scaler keys only count when fp16 is on. With "auto" the Trainer's
         # precision decides; non-default scaler values would then be lost: say so.

@@ -57,6 +57,12 @@ class ImportedDeepSpeedConfig:
     #: ``(key, target)`` for the ``"auto"`` keys that stand for one setting (``zero.reduce_bucket_size``,
     #: ``trainer.accumulate_grad_batches``, ``batch.micro_batch_size``): see :meth:`auto_values`.
     auto_targets: tuple[tuple[str, str], ...] = ()
+    #: [Note: a DeepSpeed optimizer we do not build] The ``optimizer`` section names one of
+    #: DeepSpeed's other optimizers (Lamb, OneBitAdam, ...): fine while the module configures its
+    #: own (ignored with a warning, as DeepSpeed ignores it for a client optimizer), an error where
+    #: the section would have to be built. The message says so. (Its ``params`` were refused as
+    #: "unknown keys" before the type was read: Lamb's ``max_coeff``, a new-user trial.)
+    unsupported_optimizer: Optional[str] = None
 
     # ---- Lightning -----------------------------------------------------------------------
     def apply_to_trainer(self, trainer: Any) -> None:
@@ -77,6 +83,8 @@ class ImportedDeepSpeedConfig:
                       f"{getattr(trainer, 'gradient_clip_algorithm', None)!r}) is used; the DeepSpeed config's"
                       f" gradient_clipping={clip} (by norm) is ignored.")
         accumulate = self.trainer.get("accumulate_grad_batches")
+        if accumulate is None and self._accumulation_implied():
+            accumulate = self.accumulation(int(getattr(trainer, "world_size", 1) or 1))
         if accumulate is not None:
             current = int(getattr(trainer, "accumulate_grad_batches", 1))
             if current == 1:
@@ -189,7 +197,7 @@ class ImportedDeepSpeedConfig:
         ``AmpZeroStrategy.connect`` (Lightning rejects a module without configure_optimizers
         before the strategy's setup runs).
         """
-        if self.optimizer is None and self.scheduler is None:
+        if self.optimizer is None and self.scheduler is None and self.unsupported_optimizer is None:
             return
         original = module.configure_optimizers
         if getattr(original, "_ampzero_deepspeed", False):
@@ -217,7 +225,7 @@ class ImportedDeepSpeedConfig:
         (the ``optimizer`` section is ignored, with a warning), and the ``scheduler`` section, when
         present, steps it after every optimizer step.
         """
-        if self.optimizer is not None:
+        if self.optimizer is not None or self.unsupported_optimizer is not None:
             _warn("The LightningModule configures its own optimizer; the DeepSpeed config's optimizer section is"
                   " ignored (as DeepSpeed ignores it for a client optimizer).")
         if self.scheduler is None or self.scheduler.type is None:
@@ -238,6 +246,9 @@ class ImportedDeepSpeedConfig:
 
     def configure_optimizers(self, module: Any, trainer: Any = None) -> Any:
         """Build the ``optimizer`` and ``scheduler`` sections for ``module`` (Lightning's return format)."""
+        if self.unsupported_optimizer is not None:
+            raise DeepSpeedConfigError(f"DeepSpeed config {self.source}: the LightningModule configures no optimizer,"
+                                       f" and the config's {self.unsupported_optimizer}")
         opt_cfg = self.optimizer or OptimizerConfig()
         if "lr" in self.optimizer_auto:
             lr = _module_lr(module)
@@ -257,6 +268,38 @@ class ImportedDeepSpeedConfig:
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- Hydra ---------------------------------------------------------------------------
+    def _accumulation_implied(self) -> bool:
+        """Only the two batch sizes given: DeepSpeed infers gradient_accumulation_steps from them.
+
+        (``"auto"`` is the Trainer's value, as Hugging Face's integration fills it in.)
+        """
+        return ("accumulate_grad_batches" not in self.trainer and "gradient_accumulation_steps" not in self.auto
+                and self.train_batch_size is not None and self.micro_batch_size is not None)
+
+    def accumulation(self, world_size: Optional[int]) -> int:
+        """Gradient accumulation: the config's, or, where it gives only the two batch sizes, their quotient.
+
+        DeepSpeed takes any two of train_batch_size, train_micro_batch_size_per_gpu and
+        gradient_accumulation_steps and infers the third: train_batch_size / (micro-batch x world
+        size), which must divide (a Megatron-DeepSpeed script's config of 8 and 2 on 2 ranks was
+        refused as "must equal 4": a new-user trial).
+        """
+        given = self.trainer.get("accumulate_grad_batches")
+        if given is not None:
+            return int(given)
+        if not self._accumulation_implied() or world_size is None:
+            return 1
+        assert self.train_batch_size is not None and self.micro_batch_size is not None
+        per_step = self.micro_batch_size * world_size
+        if self.train_batch_size % per_step:
+            raise DeepSpeedConfigError(
+                f"DeepSpeed config {self.source}: train_batch_size={self.train_batch_size} is not a multiple of"
+                f" train_micro_batch_size_per_gpu ({self.micro_batch_size}) x world size ({world_size}) = {per_step},"
+                " so no gradient_accumulation_steps gives it (DeepSpeed infers it as their quotient). Change"
+                " one of the batch sizes, or the number of processes."
+            )
+        return self.train_batch_size // per_step
+
     def micro_batch(self, world_size: Optional[int]) -> Optional[int]:
         """The per-process batch size: given, or derived from train_batch_size and ``world_size``.
 
@@ -265,7 +308,7 @@ class ImportedDeepSpeedConfig:
         """
         if self.train_batch_size is None or world_size is None:
             return self.micro_batch_size
-        accumulate = int(self.trainer.get("accumulate_grad_batches", 1))
+        accumulate = self.accumulation(world_size)
         per_step = accumulate * world_size
         if self.micro_batch_size is not None:
             if self.micro_batch_size * per_step != self.train_batch_size:
@@ -287,6 +330,9 @@ class ImportedDeepSpeedConfig:
 
         ``world_size`` lets a config that gives only ``train_batch_size`` set ``data.batch_size``.
         """
+        if self.unsupported_optimizer is not None:  # ampzero-train builds the optimizer from the `optim` node
+            raise DeepSpeedConfigError(f"DeepSpeed config {self.source}: {self.unsupported_optimizer} ampzero-train"
+                                       " builds its optimizer from the optim node: remove the optimizer section.")
         out: dict[str, Any] = {}
         zero = _diff(self.config.zero, ZeroConfig(stage=self.config.zero.stage))
         if zero:
@@ -306,8 +352,11 @@ class ImportedDeepSpeedConfig:
             diff = _diff(value, default)
             if diff:
                 out[node] = diff
-        if self.trainer:
-            out["trainer"] = dict(self.trainer)
+        trainer = dict(self.trainer)
+        if self._accumulation_implied() and world_size is not None:
+            trainer["accumulate_grad_batches"] = self.accumulation(world_size)  # as DeepSpeed infers it
+        if trainer:
+            out["trainer"] = trainer
         micro = self.micro_batch(world_size)
         if micro is not None:
             out["data"] = {"batch_size": micro}

@@ -86,6 +86,12 @@ def convert_zero(conv: Any, z: dict[str, Any]) -> None:
             "stage 0 is DDP, whose all-reduce always overlaps backward" if stage == 0 else
             "at stage 3 FSDP2 overlaps its collectives on CUDA streams and runs them in order on gloo")))
     conv.walk(z, _ZERO, "zero_optimization")
+    if stage == 3 and "stage3_max_reuse_distance" not in z and "max_reuse_distance" not in z:
+        # DeepSpeed's default, where ours is 0 (README: a model under about 0.5B parameters then
+        # stays gathered through the step): a config that leaves it out means DeepSpeed's (a new-user
+        # trial saw 0 in the resolved config). Read as DeepSpeed reads it, so nothing to warn about.
+        conv.set("zero.max_reuse_distance", 1e9, "zero_optimization.stage3_max_reuse_distance (absent: DeepSpeed's"
+                 " default)")
     if isinstance(stage, int) and stage < 3:
         for key in _STAGE3_ONLY:
             if key in z and z[key] is not None:
