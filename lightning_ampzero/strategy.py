@@ -83,8 +83,11 @@ from lightning_ampzero.torch_compile import apply_compile
 from lightning_ampzero.hf import load_pending_pretrained
 from lightning_ampzero.sigterm import AsyncSigtermBroadcast
 from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
+from lightning_ampzero.zero.averaged import (averaged_targets, pop_averaged_states, restore_averaged_states,
+                                            shard_averaged_copies)
 from lightning_ampzero.zero.apply import (after_manual_step, apply_zero, fsdp_modules, no_sync, overlap_comm_note,
-                                         prepare_manual_backward, register_root_method)
+                                         prepare_manual_backward, register_root_method, gathers_in_other_dtypes,
+                                         run_outside_steps_in)
 from lightning_ampzero.zero.init import ZeroInit, take_local_shards
 from lightning_ampzero.zero.unused import UnusedTracker, generate_in_step, layerdrop_message, layers_dropped
 from lightning_ampzero.zero.materialize import built_outside_note, materialize_meta_, move_real_tensors_
@@ -453,6 +456,7 @@ class AmpZeroStrategy(ParallelStrategy):
             self._unused = UnusedTracker(mesh.get_group() if mesh.ndim == 1 else None)
             self._unused.install(module)
             generate_in_step(module)  # [Note: generate() on some ranks] in zero/unused.py
+            shard_averaged_copies(trainer.callbacks, module)  # [Note: an averaged copy of a sharded model]
             if trainer.state.fn == TrainerFn.FITTING and (dropping := layers_dropped(module)):
                 rank_zero_warn(layerdrop_message(dropping, self.stage))  # [Note: layers dropped on some ranks]
             materialize_meta_(module, offload_setup.param_init_device(self.config.offload, self.root_device), shards)
@@ -460,6 +464,8 @@ class AmpZeroStrategy(ParallelStrategy):
             # root hooks too, or the root unit's parameters would stay sharded.
             for name in _STEP_METHODS:
                 register_root_method(module, name)
+            if gathers_in_other_dtypes(module):  # [Note: a stage-3 model called after fit] in zero/apply.py
+                run_outside_steps_in(module, self.precision_plugin.forward_context)
             self.model = module
         # [pretrained] models built by lightning_ampzero.hf.from_pretrained stream each rank's rows
         # of their checkpoint into place, before Lightning restores a checkpoint of its own over them.
@@ -710,6 +716,10 @@ class AmpZeroStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded in load_checkpoint()
 
+    def _callbacks(self) -> list[Any]:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return list(trainer.callbacks) if trainer is not None else []
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("AmpZeroStrategy.save_checkpoint does not take storage_options: it writes a sharded directory.")
@@ -717,6 +727,8 @@ class AmpZeroStrategy(ParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{i}"] = opt_state
+        # [Note: the averaged copy in a sharded checkpoint] in zero/averaged.py
+        state.update(pop_averaged_states(self._callbacks(), checkpoint))
         try:
             save_sharded(path, state, checkpoint, is_global_zero=self.is_global_zero, barrier=self.barrier)
         finally:
@@ -727,9 +739,13 @@ class AmpZeroStrategy(ParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         assert self.lightning_module is not None
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        callbacks = self._callbacks()
         try:
-            return load_sharded(path, self._state_module(), optimizers, strict=self.lightning_module.strict_loading,
-                                weights_only=weights_only)
+            checkpoint, loaded = load_sharded(path, self._state_module(), optimizers,
+                                              strict=self.lightning_module.strict_loading, weights_only=weights_only,
+                                              extra=averaged_targets(callbacks))
+            restore_averaged_states(callbacks, checkpoint, loaded)
+            return checkpoint
         finally:
             # [offload] the load wrote swapped parameters through the file's memory map: forget copies read
             # ahead, drop the pages it touched.

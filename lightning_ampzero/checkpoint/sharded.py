@@ -236,9 +236,13 @@ def _check_loadable(path: Path) -> None:
 
 def load_sharded(
     path: Path, module: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool = True,
-    weights_only: bool | None = None,
-) -> dict[str, Any]:
-    """Load model (and optimizer, where given) states in place into the partitioned ``module``; return the metadata."""
+    weights_only: bool | None = None, extra: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load model (and optimizer, where given) states in place into the partitioned ``module``.
+
+    ``extra``: other states saved beside them (``{key: state_dict}``), loaded in place into those
+    tensors where the checkpoint has the key. Returns the metadata and the ``extra`` entries loaded.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -263,11 +267,13 @@ def load_sharded(
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = _without_unsaved_group_keys(get_optimizer_state_dict(module, opt), f"optimizer_{i}",
                                                               saved)
+    present = {key: value for key, value in (extra or {}).items() if any(k.startswith(key + ".") for k in saved)}
+    state.update(present)
     dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
     set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"])
-    return torch.load(path / METADATA_FILE, weights_only=bool(weights_only))
+    return torch.load(path / METADATA_FILE, weights_only=bool(weights_only)), present
 
 
 def _saved_keys(path: Path) -> Iterable[str]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import functools
 import warnings
-from contextlib import contextmanager
-from typing import Iterator, Mapping, Optional
+from contextlib import ExitStack, contextmanager
+from typing import Callable, ContextManager, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -494,6 +494,55 @@ OUTSIDE_STEP = (
     "on_train_epoch_end. After trainer.fit() has returned, save the model on every rank "
     "(lightning_ampzero.hf.save_pretrained(model, out_dir)) and load it whole in one process "
     "(from_pretrained(out_dir)), or run trainer.predict() with generate() in predict_step.")
+
+
+def gathers_in_other_dtypes(model: nn.Module) -> bool:
+    """Whether some unit gathers parameters in a dtype other than their own (stage 3 "-mixed": the Linears)."""
+    for module in fsdp_modules(model):
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            wanted = group.mp_policy.param_dtype  # (FSDPParam's own dtype attributes exist only after lazy init)
+            if wanted is not None and any(fp.sharded_param.dtype != wanted for fp in group.fsdp_params):
+                return True
+    return False
+
+
+def run_outside_steps_in(root: nn.Module, context: Callable[[], ContextManager[None]]) -> None:
+    """Run a call of ``root`` or of a child outside the step methods inside ``context()`` (the outermost call).
+
+    [Note: a stage-3 model called after fit]
+    At stage 3 under "-mixed" the ``lower_precision_safe_modules`` (the Linears) gather in the low
+    dtype, which autocast hides inside the step methods. Called outside them (after
+    ``trainer.fit()``, in ``on_train_end`` or ``on_validation_epoch_end``, on every rank: the
+    README's "every rank calling it works"), the Linears returned bf16 where the rest of the model
+    is fp32, and Llama stopped in attention on "query, key, and value to have the same dtype",
+    BERT on "mat1 and mat2 must have the same dtype" (a new-user trial), where ddp runs in fp32.
+    Such calls now run under the precision plugin's forward context (its autocast), as
+    ``trainer.predict()`` would: the outputs are bf16-mixed outputs, not fp32 ones. The strategy
+    installs this only where some unit gathers in another dtype, so stages 0-2 still match ddp.
+    """
+    if getattr(root, "_ampzero_outside_context", None) is not None:
+        return
+    depth = [0]
+    stack = ExitStack()
+
+    def enter(module: nn.Module, args: object) -> None:
+        if depth[0] == 0 and (in_step_method() or torch._C._current_graph_task_id() != -1):
+            return
+        if depth[0] == 0:
+            stack.enter_context(context())
+        depth[0] += 1
+
+    def leave(module: nn.Module, args: object, output: object) -> None:
+        if depth[0] == 0:
+            return
+        depth[0] -= 1
+        if depth[0] == 0:
+            stack.close()
+
+    for target in (root, *root.children()):
+        target.register_forward_pre_hook(enter)
+        target.register_forward_hook(leave, always_call=True)
+    object.__setattr__(root, "_ampzero_outside_context", context)
 
 
 def prepare_manual_backward(root: nn.Module, loss: object) -> None:

@@ -1,0 +1,126 @@
+"""Lightning's ``StochasticWeightAveraging`` at stages 1-3: its averaged copy laid out as the model.
+
+[Note: an averaged copy of a sharded model]
+``StochasticWeightAveraging`` deep-copies the LightningModule in its ``setup`` hook, before the
+strategy shards it, and then pairs the copy's ``parameters()`` with the model's, element-wise
+(``p_swa.copy_(p_model)``, the running mean, and back into the model at the end). After
+``fully_shard`` the model's parameters are DTensors while the copy's are whole tensors, so stages
+1-3 stopped at the first averaging epoch with torch's "aten.copy_.default got mixed torch.Tensor
+and DTensor" (Lightning refuses the callback outright with its own FSDP and DeepSpeed
+strategies). Every operation SWA does is element-wise, so a copy whose parameters are DTensors
+laid out exactly as the model's (same mesh, placements, local shard) averages each rank's shard
+on that rank, and the whole averaged model is the one ddp averages. :func:`shard_averaged_copies`
+does that after sharding, with no communication: each rank keeps its chunk of the copy's own
+values, the chunks ``fully_shard`` took of the same tensors. Parameters outside FSDP2 (0-dim,
+[Note: 0-dim parameters] in scalars.py) stay whole on both sides. Buffers are not sharded, so
+the BatchNorm statistics SWA recomputes in its extra epoch follow the model's ([Note: buffer broadcast] in buffers.py). Each
+parameter keeps the copy's dtype, as under ddp (SWA copies before a "-true" precision casts).
+
+[Note: the averaged copy in a sharded checkpoint]
+Lightning saves the copy's ``state_dict()`` among the callback's states, which a sharded
+checkpoint writes once, from rank 0, in ``meta.pt``: rank 0's shards would come back on every
+rank. So :func:`pop_averaged_states` moves it into the DCP state (``averaged_<i>``, beside
+``state_dict``), where each rank writes its shards and a load reshards to any world size and
+stage; :func:`restore_averaged_states` loads it in place into the live copy (sharded by then:
+the strategy restores after setup) and hands Lightning that state to load, as it saved it.
+
+The copy is matched to the model by parameter name. A model whose layers ``configure_model``
+builds has none of them when SWA copies it (under ddp as well, where the two ``parameters()``
+lists are then zipped out of step without an error); that is refused with what to do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+#: What a user whose model ``configure_model`` builds is told (the copy has no such layers).
+BUILT_IN_CONFIGURE_MODEL = (
+    "StochasticWeightAveraging copies the LightningModule in its setup hook, before configure_model() runs, so"
+    " its averaged copy lacks the parameters configure_model() creates ({names}). Build those layers in"
+    " __init__ to use StochasticWeightAveraging, or leave the callback out."
+)
+
+
+def _averaging(callbacks: Iterable[Any]) -> list[Any]:
+    """The ``StochasticWeightAveraging`` callbacks holding an averaged copy, in the Trainer's order."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    return [cb for cb in callbacks
+            if isinstance(cb, StochasticWeightAveraging) and getattr(cb, "_average_model", None) is not None]
+
+
+def shard_like(copy: nn.Module, model: nn.Module) -> int:
+    """Make each parameter of ``copy`` that is a DTensor in ``model`` (same name) a DTensor laid out alike.
+
+    Values are ``copy``'s own, each rank keeping its chunk. Returns the number of parameters
+    replaced. Tied parameters stay tied: every module holding one gets the same new parameter.
+    """
+    live = dict(model.named_parameters())
+    mine = dict(copy.named_parameters())
+    if mine.keys() != live.keys():
+        missing = sorted(live.keys() - mine.keys())
+        if missing:
+            shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+            raise RuntimeError(BUILT_IN_CONFIGURE_MODEL.format(names=shown))
+        raise RuntimeError(
+            f"StochasticWeightAveraging's averaged copy has parameters the model does not"
+            f" ({', '.join(sorted(mine.keys() - live.keys())[:3])}): the model's parameters changed after the"
+            " callback copied it in its setup hook."
+        )
+    replaced: dict[int, nn.Parameter] = {}
+    for name, param in mine.items():
+        target = live[name]
+        if not isinstance(target, DTensor) or isinstance(param, DTensor):
+            continue
+        # src_data_rank=None: no communication; every rank chunks its own (equal) copy.
+        local = distribute_tensor(param.detach(), target.device_mesh, target.placements, src_data_rank=None)
+        if local.to_local().shape != target.to_local().shape:
+            raise RuntimeError(
+                f"lightning_ampzero: the averaged copy of {name} would hold a shard of shape"
+                f" {tuple(local.to_local().shape)} where the model's is {tuple(target.to_local().shape)}:"
+                " this torch version shards differently from what zero/averaged.py expects."
+            )
+        replaced[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
+    for module in copy.modules():
+        for attr, param in list(module._parameters.items()):
+            if param is not None and id(param) in replaced:
+                module._parameters[attr] = replaced[id(param)]
+    return len(replaced)
+
+
+def shard_averaged_copies(callbacks: Iterable[Any], model: nn.Module) -> int:
+    """:func:`shard_like` the averaged copy of every ``StochasticWeightAveraging`` in ``callbacks``."""
+    return sum(shard_like(cb._average_model, model) for cb in _averaging(callbacks))
+
+
+def pop_averaged_states(callbacks: Iterable[Any], checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Move each averaged copy's state out of ``checkpoint["callbacks"]``: ``{"averaged_<i>": state}`` for DCP.
+
+    The callback's entry keeps ``average_model_state=None`` ([Note: the averaged copy in a sharded checkpoint]).
+    """
+    moved: dict[str, Any] = {}
+    saved = checkpoint.get("callbacks", {})
+    for i, cb in enumerate(_averaging(callbacks)):
+        entry = saved.get(cb.state_key)
+        if isinstance(entry, dict) and entry.get("average_model_state") is not None:
+            moved[f"averaged_{i}"] = entry["average_model_state"]
+            entry["average_model_state"] = None
+    return moved
+
+
+def averaged_targets(callbacks: Iterable[Any]) -> dict[str, Any]:
+    """``{"averaged_<i>": state}`` of the live averaged copies: where DCP loads the saved ones, in place."""
+    return {f"averaged_{i}": cb._average_model.state_dict() for i, cb in enumerate(_averaging(callbacks))}
+
+
+def restore_averaged_states(callbacks: Iterable[Any], checkpoint: dict[str, Any], loaded: dict[str, Any]) -> None:
+    """Put the states DCP loaded (``averaged_<i>``) back in ``checkpoint["callbacks"]`` for the callbacks to load."""
+    saved = checkpoint.get("callbacks", {})
+    for i, cb in enumerate(_averaging(callbacks)):
+        entry = saved.get(cb.state_key)
+        if isinstance(entry, dict) and f"averaged_{i}" in loaded and entry.get("average_model_state") is None:
+            entry["average_model_state"] = loaded[f"averaged_{i}"]
