@@ -818,3 +818,15 @@ def test_stage3_without_max_reuse_distance_takes_deepspeeds_default():
     assert convert_deepspeed_config({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0}}
                                     ).config.zero.max_reuse_distance == 0
     assert convert_deepspeed_config({"zero_optimization": {"stage": 2}}).config.zero.max_reuse_distance == 0
+
+
+def test_a_bucket_size_of_zero_is_the_smallest_bucket_as_deepspeed_allows():
+    # DeepSpeed's zero config takes reduce_bucket_size >= 0 (transformers' tests/deepspeed config has 0).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = convert_deepspeed_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 0,
+                                                            "allgather_bucket_size": 0}})
+    assert r.config.zero.reduce_bucket_size == 1 and r.config.zero.allgather_bucket_size == 1
+    assert any("0 read as 1 element" in str(w.message) for w in caught if issubclass(w.category, DeepSpeedConfigWarning))
+    with pytest.raises(DeepSpeedConfigError, match="reduce_bucket_size"):
+        convert_deepspeed_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": -1}})

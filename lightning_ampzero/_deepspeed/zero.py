@@ -85,6 +85,14 @@ def convert_zero(conv: Any, z: dict[str, Any]) -> None:
         conv.no_effect.append(("zero_optimization.overlap_comm", (
             "stage 0 is DDP, whose all-reduce always overlaps backward" if stage == 0 else
             "at stage 3 FSDP2 overlaps its collectives on CUDA streams and runs them in order on gloo")))
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        if z.get(key) == 0 and not isinstance(z.get(key), bool):
+            # DeepSpeed accepts 0 (ge=0: every tensor its own bucket; transformers' own test config
+            # has it) where zero.* takes at least 1 element; refused before (a new-user trial).
+            z = {**z, key: 1}
+            conv.notes.append((f"zero_optimization.{key}", "0 read as 1 element: the smallest buckets, every module"
+                               " a communication unit of its own (many small collectives; leave the key out for"
+                               " the default, 5e8)"))
     conv.walk(z, _ZERO, "zero_optimization")
     if stage == 3 and "stage3_max_reuse_distance" not in z and "max_reuse_distance" not in z:
         # DeepSpeed's default, where ours is 0 (README: a model under about 0.5B parameters then
