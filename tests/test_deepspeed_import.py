@@ -826,7 +826,12 @@ def test_a_bucket_size_of_zero_is_the_smallest_bucket_as_deepspeed_allows():
         warnings.simplefilter("always")
         r = convert_deepspeed_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 0,
                                                             "allgather_bucket_size": 0}})
-    assert r.config.zero.reduce_bucket_size == 1 and r.config.zero.allgather_bucket_size == 1
+    assert r.config.zero.reduce_bucket_size == 1
+    # (DeepSpeed's stage 3 does not read allgather_bucket_size: listed, not applied)
+    assert "zero_optimization.allgather_bucket_size" in dict(r.no_effect)
+    assert r.config.zero.allgather_bucket_size == ZeroConfig().allgather_bucket_size
+    assert convert_deepspeed_config({"zero_optimization": {"stage": 2, "allgather_bucket_size": 0}}
+                                    ).config.zero.allgather_bucket_size == 1
     assert any("0 read as 1 element" in str(w.message) for w in caught if issubclass(w.category, DeepSpeedConfigWarning))
     with pytest.raises(DeepSpeedConfigError, match="reduce_bucket_size"):
         convert_deepspeed_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": -1}})

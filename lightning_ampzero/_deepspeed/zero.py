@@ -85,6 +85,12 @@ def convert_zero(conv: Any, z: dict[str, Any]) -> None:
         conv.no_effect.append(("zero_optimization.overlap_comm", (
             "stage 0 is DDP, whose all-reduce always overlaps backward" if stage == 0 else
             "at stage 3 FSDP2 overlaps its collectives on CUDA streams and runs them in order on gloo")))
+    if stage == 3 and z.get("allgather_bucket_size") is not None:
+        # DeepSpeed's stage-3 optimizer is not given it (its all-gathers follow the prefetch bucket);
+        # here it would shrink the units (the smaller of the two bucket sizes): a trial saw 1e8 applied.
+        z = {k: v for k, v in z.items() if k != "allgather_bucket_size"}
+        conv.no_effect.append(("zero_optimization.allgather_bucket_size", "DeepSpeed's stage 3 does not read it"
+                               " (its all-gathers follow stage3_prefetch_bucket_size), so neither does this import"))
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         if z.get(key) == 0 and not isinstance(z.get(key), bool):
             # DeepSpeed accepts 0 (ge=0: every tensor its own bucket; transformers' own test config
