@@ -835,3 +835,8 @@ def test_a_bucket_size_of_zero_is_the_smallest_bucket_as_deepspeed_allows():
     assert any("0 read as 1 element" in str(w.message) for w in caught if issubclass(w.category, DeepSpeedConfigWarning))
     with pytest.raises(DeepSpeedConfigError, match="reduce_bucket_size"):
         convert_deepspeed_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": -1}})
+
+
+def test_the_deprecated_boolean_zero_optimization_is_read_as_deepspeed_reads_it():
+    assert convert_deepspeed_config({"zero_optimization": True}).config.zero.stage == 1
+    assert convert_deepspeed_config({"zero_optimization": False}).config.zero.stage == 0

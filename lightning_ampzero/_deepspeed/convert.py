@@ -182,7 +182,12 @@ class _Converter:
         if "bfloat16" in data and "bf16" in data:
             self.errors.append("bf16 and bfloat16 are the same section: give one.")
         self.walk(data, _TOP, "")
-        convert_zero(self, self.section(data.get("zero_optimization"), "zero_optimization"))
+        zero = data.get("zero_optimization")
+        if isinstance(zero, bool):
+            # DeepSpeed's deprecated form, which it still runs: true is stage 1, false stage 0 (refused
+            # here as "must be a JSON object" before: a trial).
+            zero = {"stage": int(zero)}
+        convert_zero(self, self.section(zero, "zero_optimization"))
         convert_precision(self, data)
         convert_features(self, data)
         convert_compile(self, data)
