@@ -87,8 +87,9 @@ from lightning_ampzero.zero.averaged import (averaged_targets, pop_averaged_stat
                                             shard_averaged_copies)
 from lightning_ampzero.zero.apply import (after_manual_step, apply_zero, fsdp_modules, no_sync, overlap_comm_note,
                                          prepare_manual_backward, register_root_method, gathers_in_other_dtypes,
-                                         run_outside_steps_in)
+                                         reshard_stale, run_outside_steps_in)
 from lightning_ampzero.zero.init import ZeroInit, take_local_shards
+from lightning_ampzero.zero.recover import in_step_method
 from lightning_ampzero.zero.unused import UnusedTracker, generate_in_step, layerdrop_message, layers_dropped
 from lightning_ampzero.zero.materialize import built_outside_note, materialize_meta_, move_real_tensors_
 
@@ -281,6 +282,7 @@ class AmpZeroStrategy(ParallelStrategy):
         self._ddp_trainable: list[tuple[Tensor, bool]] = []  # stage 0: ([Note: parameters unfrozen during training])
         self._device_mesh: Any = None
         self.units: list[Any] = []
+        self._fsdp_units: list[Any] = []  # the FSDPModules of the model (stages 1-3), for reshard_stale
         self.activation_checkpointing: Any = None  # what apply_activation_checkpointing did (setup)
         self.compiled: list[str] = []  # [compile] names of the blocks apply_compile compiled (setup)
         self._sigterm: Any = None  # (epoch loop, AsyncSigtermBroadcast) while fitting
@@ -467,6 +469,7 @@ class AmpZeroStrategy(ParallelStrategy):
             if gathers_in_other_dtypes(module):  # [Note: a stage-3 model called after fit] in zero/apply.py
                 run_outside_steps_in(module, self.precision_plugin.forward_context)
             self.model = module
+        self._fsdp_units = fsdp_modules(self.model) if self.stage > 0 else []
         # [pretrained] models built by lightning_ampzero.hf.from_pretrained stream each rank's rows
         # of their checkpoint into place, before Lightning restores a checkpoint of its own over them.
         load_pending_pretrained(self.model)
@@ -595,6 +598,8 @@ class AmpZeroStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         after_manual_step(self.model)  # [Note: backward inside a step method] in zero/apply.py
+        if self.stage > 0 and not in_step_method():
+            reshard_stale(self._fsdp_units)  # [Note: a step without a backward] in zero/apply.py
         return result
 
     def _check_ddp_not_interrupted(self) -> None:

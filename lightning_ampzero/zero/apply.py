@@ -517,7 +517,8 @@ def run_outside_steps_in(root: nn.Module, context: Callable[[], ContextManager[N
     is fp32, and Llama stopped in attention on "query, key, and value to have the same dtype",
     BERT on "mat1 and mat2 must have the same dtype" (a new-user trial), where ddp runs in fp32.
     Such calls now run under the precision plugin's forward context (its autocast), as
-    ``trainer.predict()`` would: the outputs are bf16-mixed outputs, not fp32 ones. The strategy
+    ``trainer.predict()`` would: the outputs are bf16-mixed outputs, not fp32 ones (inside an
+    autocast the caller entered, the caller's applies). The strategy
     installs this only where some unit gathers in another dtype, so stages 0-2 still match ddp.
     """
     if getattr(root, "_ampzero_outside_context", None) is not None:
@@ -528,7 +529,7 @@ def run_outside_steps_in(root: nn.Module, context: Callable[[], ContextManager[N
     def enter(module: nn.Module, args: object) -> None:
         if depth[0] == 0 and (in_step_method() or torch._C._current_graph_task_id() != -1):
             return
-        if depth[0] == 0:
+        if depth[0] == 0 and not _user_autocast():
             stack.enter_context(context())
         depth[0] += 1
 
@@ -545,6 +546,11 @@ def run_outside_steps_in(root: nn.Module, context: Callable[[], ContextManager[N
     object.__setattr__(root, "_ampzero_outside_context", context)
 
 
+def _user_autocast() -> bool:
+    """An autocast the caller entered (its dtype wins over the precision's, as a trial expected)."""
+    return torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda"))
+
+
 def prepare_manual_backward(root: nn.Module, loss: object) -> None:
     """Before a backward inside a step method: FSDP2's root hooks ``loss`` (the Note above)."""
     if isinstance(root, FSDPModule) and in_step_method():
@@ -557,6 +563,25 @@ def after_manual_step(root: nn.Module) -> None:
         group = root._get_fsdp_state()._fsdp_param_group
         if group is not None and group.is_unsharded:
             root.reshard()
+
+
+def reshard_stale(units: list[FSDPModule]) -> None:
+    """After an optimizer step outside a step method: reshard every unit a forward left gathered.
+
+    [Note: a step without a backward]
+    A unit is resharded by its backward. Lightning can step the optimizer after training steps
+    whose backward it skipped: StochasticWeightAveraging's last epoch runs forward only (to
+    recompute BatchNorm statistics) and still calls ``optimizer.step()``, which applies the
+    gradients left from the last real step (as under ddp). The units those forwards gathered (all
+    of them at stages 1-2, the root at stage 3) stayed gathered, so the module kept showing the
+    gathered copy from before the step while the optimizer had moved the shards: after fit the
+    model read the old weights, 0.02 from ddp's on a ResNet (a new-user trial), and a checkpoint
+    save, which reshards, changed that. The copy is stale once the shards moved: drop it.
+    """
+    for unit in units:
+        group = unit._get_fsdp_state()._fsdp_param_group
+        if group is not None and group.is_unsharded:
+            unit.reshard()
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:

@@ -12,6 +12,10 @@ def full_params(module: nn.Module) -> dict[str, list[float]]:
 
 
 def full_state(module: nn.Module) -> dict[str, list[float]]:
-    """``module.state_dict()`` whole (parameters and buffers; sharded DTensors gathered, a collective), as JSON lists."""
+    """The parameters and buffers the module holds, whole (sharded DTensors gathered, a collective), as JSON lists.
+
+    Read from the module's attributes, as a user's code reads them, not through ``state_dict()``,
+    whose FSDP2 hook reshards first and so hides a stale gathered copy.
+    """
     return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().flatten().tolist()
-            for n, t in module.state_dict().items()}
+            for n, t in [*module.named_parameters(), *module.named_buffers()]}
