@@ -13,8 +13,9 @@ on that rank, and the whole averaged model is the one ddp averages. :func:`shard
 does that after sharding, with no communication: each rank keeps its chunk of the copy's own
 values, the chunks ``fully_shard`` took of the same tensors. Parameters outside FSDP2 (0-dim,
 [Note: 0-dim parameters] in scalars.py) stay whole on both sides. Buffers are not sharded, so
-the BatchNorm statistics SWA recomputes in its extra epoch follow the model's ([Note: buffer broadcast] in buffers.py). Each
-parameter keeps the copy's dtype, as under ddp (SWA copies before a "-true" precision casts).
+the BatchNorm statistics SWA recomputes in its extra epoch follow the model's ([Note: buffer
+broadcast] in buffers.py). Each parameter keeps the copy's dtype, as under ddp (SWA copies
+before a "-true" precision casts).
 
 [Note: the averaged copy in a sharded checkpoint]
 Lightning saves the copy's ``state_dict()`` among the callback's states, which a sharded
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
