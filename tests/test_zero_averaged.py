@@ -4,7 +4,6 @@ and [Note: the averaged copy in a sharded checkpoint] in lightning_ampzero/zero/
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 
 from _scripts import run_json

@@ -498,11 +498,12 @@ OUTSIDE_STEP = (
 
 def gathers_in_other_dtypes(model: nn.Module) -> bool:
     """Whether some unit gathers parameters in a dtype other than their own (stage 3 "-mixed": the Linears)."""
-    for module in fsdp_modules(model):
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            wanted = group.mp_policy.param_dtype  # (FSDPParam's own dtype attributes exist only after lazy init)
-            if wanted is not None and any(fp.sharded_param.dtype != wanted for fp in group.fsdp_params):
-                return True
+    from lightning_ampzero.memory import fsdp_param_groups
+
+    for group in fsdp_param_groups(model):
+        wanted = group.mp_policy.param_dtype  # (FSDPParam's own dtype attributes exist only after lazy init)
+        if wanted is not None and any(fp.sharded_param.dtype != wanted for fp in group.fsdp_params):
+            return True
     return False
 
 
