@@ -508,7 +508,7 @@ class AmpZeroStrategy(ParallelStrategy):
         self.activation_checkpointing = apply_activation_checkpointing(
             module, self.config.activation_checkpointing, mesh=self._device_mesh, warn=rank_zero_warn)
 
-    def _wrap_ddp(self, module: torch.nn.Module) -> torch.nn.Module:
+    def _wrap_ddp(self, module: torch.nn.Module, init_sync: bool = True) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         bucket_mb = self.config.zero.reduce_bucket_size * 4 / 2**20  # elements of fp32 gradients
@@ -521,11 +521,11 @@ class AmpZeroStrategy(ParallelStrategy):
         if find is None:
             find = self.lightning_module is not None and not self.lightning_module.automatic_optimization
         ddp = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_mb,
-                                      find_unused_parameters=find)
+                                      find_unused_parameters=find, init_sync=init_sync)
         self._ddp_trainable = [(p, p.requires_grad) for p in module.parameters()]
         return ddp
 
-    def _rewrap_ddp_if_trainable_changed(self) -> None:
+    def _rewrap_ddp_if_trainable_changed(self, in_step: bool = False) -> bool:
         """Stage 0: a new DDP when parameters were unfrozen or frozen since the last one was built.
 
         [Note: parameters unfrozen during training] DDP reduces only the parameters that required
@@ -536,23 +536,33 @@ class AmpZeroStrategy(ParallelStrategy):
         gradient that never comes. Stages 1-3 (FSDP2) reduce whatever has a gradient. So before each
         training step the flags are compared with those DDP was built with (a walk over the
         parameters: microseconds), and on a change DDP is built again over the same module; its
-        construction broadcasts rank 0's parameters and buffers, as at setup.
+        construction broadcasts rank 0's parameters and buffers, as at setup. A change made inside
+        ``training_step`` is found before its backward (:meth:`backward`). Returns whether DDP was built again.
         """
         from torch.nn.parallel import DistributedDataParallel
 
         if not isinstance(self.model, DistributedDataParallel):
-            return
-        if all(p.requires_grad == flag for p, flag in self._ddp_trainable):
-            return
+            return False
+        if in_step:
+            # Inside a step only a change DDP cannot absorb: a parameter it does not reduce that now trains,
+            # or one it waits for that is frozen now, unless it looks for unused ones (toggle_optimizer)
+            find = self.model.find_unused_parameters
+            if not any(p.requires_grad and not flag or flag and not p.requires_grad and not find
+                       for p, flag in self._ddp_trainable):
+                return False
+        elif all(p.requires_grad == flag for p, flag in self._ddp_trainable):
+            return False
         before = sum(flag for _, flag in self._ddp_trainable)
         module = self.model.module
         self.model = None  # the old reducer's autograd hooks go with it, before the new one adds its own
         gc.collect()
-        self.model = self._wrap_ddp(module)
+        # inside a step the forward's graph holds the parameters: no broadcast into them (they agree)
+        self.model = self._wrap_ddp(module, init_sync=not in_step)
         self.precision_plugin.setup_ddp(self.model)
         now = sum(flag for _, flag in self._ddp_trainable)
         rank_zero_info(f"Stage 0 (DDP): the trainable parameters changed ({before} tensors trained, now {now}), so"
                        " DDP was built again to average the gradients of those that train now.")
+        return True
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -575,6 +585,24 @@ class AmpZeroStrategy(ParallelStrategy):
                 " TORCH_DISTRIBUTED_DEBUG=INFO makes torch name them."
             ) from error
 
+    def _rewrap_ddp_before_backward(self, loss: Tensor) -> None:
+        """Stage 0: ``requires_grad`` changed inside ``training_step``, after DDP prepared this step.
+
+        A layer frozen there (``self.encoder.requires_grad_(False)``) left DDP waiting for its
+        gradient, so the bucket holding it was never averaged, and one unfrozen there trained on
+        each rank's own gradient: the ranks drifted apart (0.04 after 8 steps, against ddp with
+        find_unused_parameters=True). The new DDP, built over the flags as they are now, is
+        prepared for this backward as the old one was in its forward (under manual optimization
+        ``pre_backward`` does that), and keeps the old one's no_sync state (gradient accumulation).
+        """
+        old = self.model
+        if self.stage != 0 or not self._rewrap_ddp_if_trainable_changed(in_step=True):
+            return
+        self.model.require_backward_grad_sync = old.require_backward_grad_sync
+        assert self.lightning_module is not None
+        if self.lightning_module.automatic_optimization:
+            prepare_for_backward(self.model, loss)
+
     def pre_backward(self, closure_loss: Tensor) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -585,6 +613,7 @@ class AmpZeroStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         # [Note: a step interrupted by an exception] in zero/recover.py
         self._check_ddp_not_interrupted()
+        self._rewrap_ddp_before_backward(closure_loss)
         # [Note: backward inside a step method] in zero/apply.py (manual optimization)
         prepare_manual_backward(self.model, closure_loss)
         try:

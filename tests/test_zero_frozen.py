@@ -147,3 +147,14 @@ def test_parameters_unfrozen_and_frozen_during_training_are_averaged_at_stage_0(
 
     out = run_json("unfreeze.py", tmp_path / "unfreeze.json", timeout=600)
     assert out == {"ranks_0": 0.0, "vs_stage_1_0": 0.0, "ranks_1": 0.0, "vs_stage_1_1": 0.0}, out
+
+
+def test_requires_grad_changed_inside_training_step_trains_as_ddp_at_every_stage(tmp_path):
+    # [Note: requires_grad changed inside a step] in zero/trainable.py: a GAN's toggle_optimizer()
+    # trained the frozen discriminator at stages 1-2 (0.16 from ddp), and a layer frozen inside
+    # training_step kept training at stages 1-2 (0.06) while stage 0's ranks drifted apart (0.04).
+    from _scripts import run_json
+
+    out = run_json("freeze_in_step.py", tmp_path / "freeze_in_step.json", "--stages", "0,1,2,3", timeout=600)
+    assert out == {f"{name}_{kind}_{stage}": 0.0 for name in ("toggle", "freeze") for stage in range(4)
+                   for kind in ("ranks", "vs_ddp")}, out

@@ -39,6 +39,7 @@ from lightning_ampzero.zero.comm import (
 from lightning_ampzero.zero.buffers import buffer_broadcast_of, install_buffer_broadcast
 from lightning_ampzero.zero.recover import in_step_method, reset_interrupted_step, step_entry
 from lightning_ampzero.zero.scalars import average_scalar_gradients, scalar_parameters
+from lightning_ampzero.zero.trainable import record_requires_grad, sync_requires_grad
 from lightning_ampzero.zero.units import Unit, kept_for_reuse, plan_units, region
 
 
@@ -423,12 +424,14 @@ def register_root_method(module: nn.Module, name: str) -> None:
     state = module._get_fsdp_state()
 
     buffers = buffer_broadcast_of(module)  # [Note: buffer broadcast]: DDP broadcasts in its forward, that runs the step
+    groups = _param_groups_of(module, fresh=True)  # at setup: a second fit may have sharded it again
 
     def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
         with step_entry(module):  # [Note: a step interrupted by an exception] in recover.py
             if buffers is not None:
                 buffers.enter()
             try:
+                sync_requires_grad(groups)  # [Note: requires_grad changed inside a step] in trainable.py
                 args, kwargs = state._pre_forward(module, args, kwargs)
                 out = method(*args, **kwargs)
                 for group in state._fsdp_param_groups:
@@ -470,6 +473,8 @@ def _before_forward_in_step(root: FSDPModule, module: nn.Module, args: object) -
     if reset_interrupted_step(root, in_step=True) or in_step_method():
         if group is not None and not group.is_unsharded:
             root.unshard()
+        # [Note: requires_grad changed inside a step] in trainable.py: a toggle_optimizer() just now
+        sync_requires_grad(_param_groups_of(root), gathered_only=True)
     elif module is not root:
         # [Note: a child called outside a step method]
         # A hook (a sampling callback's on_train_epoch_end) calling ``self.model`` while the root's
@@ -494,6 +499,18 @@ OUTSIDE_STEP = (
     "on_train_epoch_end. After trainer.fit() has returned, save the model on every rank "
     "(lightning_ampzero.hf.save_pretrained(model, out_dir)) and load it whole in one process "
     "(from_pretrained(out_dir)), or run trainer.predict() with generate() in predict_step.")
+
+
+def _param_groups_of(root: nn.Module, fresh: bool = False) -> list:
+    """The model's FSDP2 parameter groups, listed once (the step's hooks walk them), their flags recorded."""
+    groups = root.__dict__.get("_ampzero_param_groups")
+    if groups is None or fresh:
+        from lightning_ampzero.memory import fsdp_param_groups
+
+        groups = fsdp_param_groups(root)
+        record_requires_grad(groups)
+        object.__setattr__(root, "_ampzero_param_groups", groups)
+    return groups
 
 
 def gathers_in_other_dtypes(model: nn.Module) -> bool:
