@@ -34,7 +34,7 @@ import typing
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generator, Mapping, Optional, Union
+from typing import Any, Generator, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
@@ -118,6 +118,26 @@ def _flat_keywords() -> dict[str, type]:
             for f in dataclasses.fields(section) if f.init}
 
 
+def _nested_home(name: str) -> str:
+    """Where a keyword that is not flat lives (``communication_data_type``: the precision section), or ""."""
+    def sections(cls: type, chain: tuple) -> Iterator[tuple]:
+        for f in dataclasses.fields(cls):
+            if f.init and f.default_factory is not dataclasses.MISSING:  # a nested section (its dataclass)
+                inner = type(f.default_factory())
+                if dataclasses.is_dataclass(inner) and inner not in (ZeroConfig, OffloadConfig):
+                    yield chain + ((f.name, inner),)
+                    yield from sections(inner, chain + ((f.name, inner),))
+
+    for chain in sections(AmpZeroConfig, ()):
+        if name in {f.name for f in dataclasses.fields(chain[-1][1]) if f.init}:
+            call = f"{name}=..."
+            for field, cls in reversed(chain):
+                call = f"{field}={cls.__name__}({call})"
+            path = ".".join(field for field, _ in chain)
+            return f" It is a field of {chain[-1][1].__name__} (the `{path}` section): AmpZeroStrategy({call})."
+    return ""
+
+
 def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroConfig, Any]:
     """The AmpZeroConfig for a strategy: from ours, a DeepSpeed config (path or dict), or defaults; plus overrides.
 
@@ -151,7 +171,8 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
     unknown = [k for k in overrides if k not in owner]
     if unknown:
         raise TypeError(
-            f"AmpZeroStrategy got an unknown argument {unknown[0]!r}.{suggest(unknown[0], set(owner))}"
+            f"AmpZeroStrategy got an unknown argument {unknown[0]!r}."
+            f"{_nested_home(unknown[0]) or suggest(unknown[0], set(owner))}"
             f" Arguments: config, {', '.join(sorted(set(owner) - {'zero'}))}."
         )
     top_kw, zero_kw, offload_kw = ({k: v for k, v in overrides.items() if owner[k] is section}
@@ -280,6 +301,7 @@ class AmpZeroStrategy(ParallelStrategy):
         self._forward_redirection = _DDPForwardRedirection()
         self._ddp_interrupted = False  # stage 0: a backward raised ([Note: a step interrupted by an exception])
         self._ddp_trainable: list[tuple[Tensor, bool]] = []  # stage 0: ([Note: parameters unfrozen during training])
+        self._ddp_left_gradients: list[Tensor] = []  # stage 0: (_rewrap_ddp_before_backward)
         self._device_mesh: Any = None
         self.units: list[Any] = []
         self._fsdp_units: list[Any] = []  # the FSDPModules of the model (stages 1-3), for reshard_stale
@@ -585,7 +607,7 @@ class AmpZeroStrategy(ParallelStrategy):
                 " TORCH_DISTRIBUTED_DEBUG=INFO makes torch name them."
             ) from error
 
-    def _rewrap_ddp_before_backward(self, loss: Tensor) -> None:
+    def _rewrap_ddp_before_backward(self, loss: Tensor) -> bool:
         """Stage 0: ``requires_grad`` changed inside ``training_step``, after DDP prepared this step.
 
         A layer frozen there (``self.encoder.requires_grad_(False)``) left DDP waiting for its
@@ -593,15 +615,25 @@ class AmpZeroStrategy(ParallelStrategy):
         each rank's own gradient: the ranks drifted apart (0.04 after 8 steps, against ddp with
         find_unused_parameters=True). The new DDP, built over the flags as they are now, is
         prepared for this backward as the old one was in its forward (under manual optimization
-        ``pre_backward`` does that), and keeps the old one's no_sync state (gradient accumulation).
+        ``pre_backward`` does that). Under the old one's no_sync (a micro-batch before the last of an
+        accumulation window) the new one skips this backward's reduction too, and syncs again after
+        it: the no_sync block, entered on the old object, restores only that one (left unsynced, the
+        ranks drifted apart: 0.07 on a BERT with accumulate_grad_batches=2, a new-user trial).
+        Returns whether the caller must make the new DDP sync again after the backward.
         """
-        old = self.model
+        old, built_with = self.model, self._ddp_trainable
         if self.stage != 0 or not self._rewrap_ddp_if_trainable_changed(in_step=True):
-            return
+            return False
+        # Frozen inside an accumulation window, a parameter keeps the gradient of the micro-batches
+        # before: the old DDP would have averaged it in the window's last backward (as an unused
+        # parameter's), and the optimizer steps it; the new one does not hold it, so that
+        # backward averages it here (_average_left_gradients).
+        self._ddp_left_gradients += [p for p, flag in built_with if flag and not p.requires_grad and p.grad is not None]
         self.model.require_backward_grad_sync = old.require_backward_grad_sync
         assert self.lightning_module is not None
         if self.lightning_module.automatic_optimization:
             prepare_for_backward(self.model, loss)
+        return not old.require_backward_grad_sync
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         from torch.nn.parallel import DistributedDataParallel
@@ -613,16 +645,31 @@ class AmpZeroStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         # [Note: a step interrupted by an exception] in zero/recover.py
         self._check_ddp_not_interrupted()
-        self._rewrap_ddp_before_backward(closure_loss)
+        resync = self._rewrap_ddp_before_backward(closure_loss)
         # [Note: backward inside a step method] in zero/apply.py (manual optimization)
         prepare_manual_backward(self.model, closure_loss)
         try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            out = super().backward(closure_loss, optimizer, *args, **kwargs)
         except BaseException as error:
             self._ddp_interrupted = self.stage == 0
             if self.stage > 0 and isinstance(error, RuntimeError) and "storage of size 0" in str(error):
                 raise RuntimeError(FREED_IN_BACKWARD) from error
             raise
+        finally:
+            if resync:  # the no_sync block this backward ends was entered on the old DDP: it cannot reset the new one
+                self.model.require_backward_grad_sync = True
+        if self._ddp_left_gradients and not resync and self.model.require_backward_grad_sync:
+            self._average_left_gradients()
+        return out
+
+    def _average_left_gradients(self) -> None:
+        """Stage 0, after a reducing backward: average the gradients left on parameters frozen in the window."""
+        left, self._ddp_left_gradients = self._ddp_left_gradients, []
+        grads = [p.grad for p in left if not p.requires_grad and p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, self.world_size)  # DDP divides before its all-reduce
+            for grad in grads:
+                torch.distributed.all_reduce(grad)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)

@@ -127,3 +127,21 @@ def test_a_keyword_given_as_none_leaves_the_config_and_every_keyword_is_in_the_s
     fields = {f.name for cls in (AmpZeroConfig, ZeroConfig, OffloadConfig) for f in dataclasses.fields(cls)} - {"zero"}
     lightning = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
     assert named - lightning == fields
+
+
+def test_a_keyword_of_a_nested_section_is_refused_with_where_it_lives():
+    # A new-user trial passed AmpZeroStrategy(communication_data_type="fp32") (a README sentence
+    # named the field without its section) and got only the list of flat keywords.
+    from lightning_ampzero import LossScalerConfig, PrecisionConfig
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    with pytest.raises(TypeError, match=r"AmpZeroStrategy\(precision=PrecisionConfig\(communication_data_type=\.\.\.\)\)"):
+        AmpZeroStrategy(communication_data_type="fp32")
+    with pytest.raises(TypeError, match=r"precision=PrecisionConfig\(loss_scaler=LossScalerConfig\(hysteresis=\.\.\.\)\)"):
+        AmpZeroStrategy(hysteresis=2)
+    with pytest.raises(TypeError, match="Did you mean 'stage'"):
+        AmpZeroStrategy(stgae=2)
+    # and the call the message names works
+    s = AmpZeroStrategy(precision=PrecisionConfig(communication_data_type="fp32",
+                                                  loss_scaler=LossScalerConfig(hysteresis=2)))
+    assert (s.config.precision.communication_data_type, s.config.precision.loss_scaler.hysteresis) == ("fp32", 2)

@@ -152,9 +152,13 @@ def test_parameters_unfrozen_and_frozen_during_training_are_averaged_at_stage_0(
 def test_requires_grad_changed_inside_training_step_trains_as_ddp_at_every_stage(tmp_path):
     # [Note: requires_grad changed inside a step] in zero/trainable.py: a GAN's toggle_optimizer()
     # trained the frozen discriminator at stages 1-2 (0.16 from ddp), and a layer frozen inside
-    # training_step kept training at stages 1-2 (0.06) while stage 0's ranks drifted apart (0.04).
+    # training_step kept training at stages 1-2 (0.06) while stage 0's ranks drifted apart (0.04;
+    # 0.04 again with accumulation, before AmpZeroStrategy._rewrap_ddp_before_backward kept no_sync).
     from _scripts import run_json
 
     out = run_json("freeze_in_step.py", tmp_path / "freeze_in_step.json", "--stages", "0,1,2,3", timeout=600)
-    assert out == {f"{name}_{kind}_{stage}": 0.0 for name in ("toggle", "freeze") for stage in range(4)
-                   for kind in ("ranks", "vs_ddp")}, out
+    names = ("toggle", "freeze", "freeze_acc")
+    assert set(out) == {f"{name}_{kind}_{stage}" for name in names for stage in range(4) for kind in ("ranks", "vs_ddp")}
+    for key, value in out.items():
+        # stages 2-3 reduce each micro-batch of a window where ddp sums them first: rounding apart
+        assert value <= (1e-6 if key in ("freeze_acc_vs_ddp_2", "freeze_acc_vs_ddp_3") else 0.0), (key, out)
