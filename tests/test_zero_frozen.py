@@ -158,7 +158,8 @@ def test_requires_grad_changed_inside_training_step_trains_as_ddp_at_every_stage
 
     out = run_json("freeze_in_step.py", tmp_path / "freeze_in_step.json", "--stages", "0,1,2,3", timeout=600)
     names = ("toggle", "freeze", "freeze_acc")
-    assert set(out) == {f"{name}_{kind}_{stage}" for name in names for stage in range(4) for kind in ("ranks", "vs_ddp")}
+    assert set(out) == {f"{name}_{kind}_{stage}" for name in names for stage in range(4)
+                        for kind in ("ranks", "vs_ddp")}
     for key, value in out.items():
         # stages 2-3 reduce each micro-batch of a window where ddp sums them first: rounding apart
         assert value <= (1e-6 if key in ("freeze_acc_vs_ddp_2", "freeze_acc_vs_ddp_3") else 0.0), (key, out)
