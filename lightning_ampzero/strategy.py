@@ -486,8 +486,7 @@ class AmpZeroStrategy(ParallelStrategy):
             materialize_meta_(module, offload_setup.param_init_device(self.config.offload, self.root_device), shards)
             # Lightning calls training_step() etc., not forward(): make them run FSDP2's
             # root hooks too, or the root unit's parameters would stay sharded.
-            for name in _STEP_METHODS:
-                register_root_method(module, name)
+            register_root_method(module, *_STEP_METHODS)
             if gathers_in_other_dtypes(module):  # [Note: a stage-3 model called after fit] in zero/apply.py
                 run_outside_steps_in(module, self.precision_plugin.forward_context)
             self.model = module

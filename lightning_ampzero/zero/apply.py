@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import warnings
 from contextlib import ExitStack, contextmanager
-from typing import Callable, ContextManager, Iterator, Mapping, Optional
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -403,8 +403,8 @@ def _post_order(module: nn.Module, seen: Optional[set[int]] = None) -> Iterator[
     yield module
 
 
-def register_root_method(module: nn.Module, name: str) -> None:
-    """Make ``module.<name>()`` run FSDP2's root pre/post-forward, as ``forward`` does.
+def register_root_method(module: nn.Module, *names: str) -> None:
+    """Make ``module.<name>()``, for each of ``names``, run FSDP2's root pre/post-forward, as ``forward`` does.
 
     torch's ``register_fsdp_forward_method`` with one difference. Lightning calls
     ``training_step`` (etc.), which usually calls ``self(x)``: a forward nested in the
@@ -418,13 +418,24 @@ def register_root_method(module: nn.Module, name: str) -> None:
     """
     if not isinstance(module, FSDPModule):
         return
+    state = module._get_fsdp_state()
+    buffers = buffer_broadcast_of(module)  # [Note: buffer broadcast]: DDP broadcasts in its forward, that runs the step
+    groups = _param_groups_of(module, fresh=True)  # at setup: a second fit may have sharded it again
+    for name in names:
+        _wrap_root_method(module, name, state, buffers, groups)
+    if not getattr(module, "_ampzero_in_step_hooks", False):
+        # [Note: backward inside a step method]: the root, and what a step method calls of it
+        hook = functools.partial(_before_forward_in_step, module)
+        for target in (module, *module.children()):
+            target.register_forward_pre_hook(hook, prepend=True)
+        object.__setattr__(module, "_ampzero_in_step_hooks", True)
+
+
+def _wrap_root_method(module: nn.Module, name: str, state: Any, buffers: Any, groups: list) -> None:
+    """``module.<name>`` inside FSDP2's root pre/post-forward (:func:`register_root_method`)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     method = getattr(module, name)
-    state = module._get_fsdp_state()
-
-    buffers = buffer_broadcast_of(module)  # [Note: buffer broadcast]: DDP broadcasts in its forward, that runs the step
-    groups = _param_groups_of(module, fresh=True)  # at setup: a second fit may have sharded it again
 
     def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
         with step_entry(module):  # [Note: a step interrupted by an exception] in recover.py
@@ -443,12 +454,6 @@ def register_root_method(module: nn.Module, name: str) -> None:
                     buffers.exit()
 
     object.__setattr__(module, name, functools.wraps(method)(wrapped))
-    if not getattr(module, "_ampzero_in_step_hooks", False):
-        # [Note: backward inside a step method]: the root, and what a step method calls of it
-        hook = functools.partial(_before_forward_in_step, module)
-        for target in (module, *module.children()):
-            target.register_forward_pre_hook(hook, prepend=True)
-        object.__setattr__(module, "_ampzero_in_step_hooks", True)
 
 
 # [Note: backward inside a step method]
