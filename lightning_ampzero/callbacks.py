@@ -259,10 +259,13 @@ class MemoryReport(Callback):
         if trainer.world_size > 1:
             import torch.distributed as dist
 
+            from lightning_ampzero.process import collective_device
+
             if dist.is_available() and dist.is_initialized():
+                t = t.to(collective_device())  # NCCL gathers CUDA tensors only
                 out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
                 dist.all_gather(out, t)
-                t = torch.stack(out)
+                t = torch.stack(out).cpu()
         rows = t.reshape(-1, len(_CATEGORIES)).tolist()
         return [
             {"rank": r, **{k: (None if k == "activations" and v < 0 else int(v)) for k, v in zip(_CATEGORIES, row)}}

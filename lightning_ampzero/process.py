@@ -48,6 +48,24 @@ def destroy_process_group() -> None:
         sys.modules["torch.distributed"].destroy_process_group()
 
 
+def collective_device(group: object = None, fallback: object = None) -> "torch.device":
+    """Where a tensor must live for ``group``'s backend (the default group for None) to reduce it.
+
+    NCCL reduces CUDA tensors only ("No backend type associated with device type cpu"), gloo
+    CPU ones best; small bookkeeping tensors (flags, norms, counts) are made or moved there.
+    Without a process group, or with another backend: ``fallback`` (default: the CPU).
+    """
+    import torch
+
+    if in_process_group():
+        backend = str(sys.modules["torch.distributed"].get_backend(group))
+        if backend == "gloo":
+            return torch.device("cpu")
+        if "nccl" in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if fallback is None else torch.device(fallback)
+
+
 # Classes whose instances may hold a process group as a plain attribute (FSDP2's mesh infos,
 # our communication hooks' states): their group attributes are dropped at exit.
 _HOLDER_MODULES = ("torch.distributed.", "lightning_ampzero.")

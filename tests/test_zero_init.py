@@ -135,6 +135,26 @@ def test_context_is_exception_safe_and_nests():
     assert m.weight.is_meta
 
 
+def test_the_gpts_init_draws_on_the_cpu_whatever_the_default_device():
+    """Lightning's ``init_module()`` on a GPU makes CUDA the default device; the main job's GPT
+    drew from a CPU generator there and stopped (``Expected a 'cuda' device type for
+    generator``). The draws stay on the CPU and give the values a plain call gives."""
+    from lightning_ampzero.models.init import init_parameters_
+
+    seen = []
+
+    def rule(name, shape, gen):
+        seen.append(torch.empty(0).device.type)
+        return torch.randn(shape, generator=gen)
+
+    model, want = nn.Linear(3, 2), nn.Linear(3, 2)
+    init_parameters_(want, 0, rule)
+    with torch.device("meta"):  # stands in for CUDA: a default device that is not the generator's
+        init_parameters_(model, 0, rule)
+    assert seen == ["cpu"] * 4
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), want.parameters()))
+
+
 def test_metadata_needs_no_gather_and_fan_in_works():
     with ZeroInit(max_live_numel=0) as zi:
         lin = nn.Linear(8, 16)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from _spawn import spawn
+from lightning_ampzero.zero.groups import module_param_groups
 
 V, D, T, N_BLOCKS, STEPS = 64, 32, 8, 3, 3
 ONE_BLOCK = 5_000  # elements: a Block below is 4,256
@@ -136,7 +137,7 @@ def _group_sizes(model):
     sizes = {}
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            for group in m._get_fsdp_state()._fsdp_param_groups:
+            for group in module_param_groups(m):
                 sizes[id(group)] = len(group.fsdp_params)
     return list(sizes.values())
 

@@ -29,6 +29,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_ampzero.estimate import format_bytes
+from lightning_ampzero.process import collective_device
 
 METADATA_FILE = "meta.pt"
 INCOMPLETE_SUFFIX = ".incomplete"
@@ -141,7 +142,7 @@ def _checkpoint_bytes(state: Any) -> int:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        total = torch.tensor([sharded], dtype=torch.float64)
+        total = torch.tensor([sharded], dtype=torch.float64, device=collective_device())  # NCCL: CUDA only
         dist.all_reduce(total)
         sharded = int(total.item())
     return sharded + replicated
@@ -153,7 +154,7 @@ def _max_over_ranks(value: int) -> int:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
-    t = torch.tensor([float(value)])
+    t = torch.tensor([float(value)], device=collective_device())  # NCCL: CUDA only
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 

@@ -40,4 +40,9 @@ def fill_(param: torch.Tensor, full_value: torch.Tensor) -> None:
 def init_parameters_(module: nn.Module, seed: int, rule: Callable[[str, torch.Size, torch.Generator], torch.Tensor]) -> None:
     """Initialise every parameter of ``module``: ``rule(name, full_shape, generator)`` returns its full value."""
     for name, param in module.named_parameters():
-        fill_(param, rule(name, param.shape, _generator(seed, name)))
+        # On CPU whatever the caller's default device: Lightning's `init_module()` on a GPU makes
+        # CUDA the default, and a CPU generator then fails to draw (`Expected a 'cuda' device type
+        # for generator`), which stopped the main job on every GPU.
+        with torch.device("cpu"):
+            value = rule(name, param.shape, _generator(seed, name))
+        fill_(param, value)

@@ -64,6 +64,7 @@ from lightning_ampzero.offload.store import (
     round_up,
     swap_file_problem,
 )
+from lightning_ampzero.zero.groups import repeated_post_backward
 
 _ALIGN = 64  # bytes: every shard starts aligned for any dtype's view of the map
 _PAGE = 4096
@@ -168,6 +169,8 @@ class GradSwapper:
         post_backward = group.post_backward
 
         def post_backward_swapped(*args: Any) -> None:
+            if repeated_post_backward(group, "grads"):  # [Note: FSDP2 across torch versions] in groups.py
+                return post_backward(*args)
             reduced = [e for e in unit.entries if self._will_reduce(e.fsdp_param, group)]
             if not reduced:
                 return post_backward(*args)
@@ -196,7 +199,7 @@ class GradSwapper:
             return False
         unsharded = fp._unsharded_param
         return (fp.unsharded_accumulated_grad is not None or unsharded.grad is not None
-                or (group.reduce_scatter_unused_params and unsharded.requires_grad))
+                or (getattr(group, "reduce_scatter_unused_params", False) and unsharded.requires_grad))
 
     def _write_unit(self, unit: _Unit, held: set[int]) -> None:
         pending = []

@@ -67,6 +67,7 @@ from lightning_ampzero.offload.store import (
     round_up,
     swap_file_problem,
 )
+from lightning_ampzero.zero.groups import module_param_groups
 
 _ALIGN = 64  # bytes: every shard starts aligned for any dtype's view of the buffer / map
 _PAGE = 4096  # bytes: each segment starts on a page (one read per segment, page-aligned)
@@ -119,7 +120,7 @@ def _groups(model: nn.Module) -> list[tuple[str, Any]]:
     for name, m in model.named_modules():
         if not isinstance(m, FSDPModule):
             continue
-        for group in m._get_fsdp_state()._fsdp_param_groups:
+        for group in module_param_groups(m):
             if id(group) not in seen and group.fsdp_params:
                 seen.add(id(group))
                 out.append((name or "<root>", group))

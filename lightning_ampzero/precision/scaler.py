@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_ampzero.config import LossScalerConfig
+from lightning_ampzero.process import collective_device
 
 __all__ = [
     "DynamicLossScaler",
@@ -80,15 +81,10 @@ def _resolve_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessG
 
 
 def _flag_device(group: Optional[dist.ProcessGroup], devices: list[torch.device]) -> torch.device:
-    """Where the overflow flag must live for ``group``'s backend to reduce it."""
-    if group is not None:
-        backend = str(dist.get_backend(group))
-        if backend == "gloo":
-            return torch.device("cpu")
-        if backend == "nccl":
-            # Grads may sit on the CPU (optimizer offload); NCCL only reduces GPU tensors.
-            return torch.device("cuda", torch.cuda.current_device())
-    return devices[0] if devices else torch.device("cpu")
+    """Where the overflow flag must live for ``group``'s backend to reduce it (grads may sit on the
+    CPU under optimizer offload; NCCL only reduces GPU tensors)."""
+    fallback = devices[0] if devices else torch.device("cpu")
+    return collective_device(group, fallback) if group is not None else fallback
 
 
 @torch.no_grad()

@@ -37,6 +37,7 @@ from lightning_ampzero.zero.comm import (
     install_mixed_wire,
 )
 from lightning_ampzero.zero.buffers import buffer_broadcast_of, install_buffer_broadcast
+from lightning_ampzero.zero.groups import param_groups
 from lightning_ampzero.zero.recover import in_step_method, reset_interrupted_step, step_entry
 from lightning_ampzero.zero.scalars import average_scalar_gradients, scalar_parameters
 from lightning_ampzero.zero.trainable import record_requires_grad, sync_requires_grad
@@ -445,7 +446,7 @@ def _wrap_root_method(module: nn.Module, name: str, state: Any, buffers: Any, gr
                 sync_requires_grad(groups)  # [Note: requires_grad changed inside a step] in trainable.py
                 args, kwargs = state._pre_forward(module, args, kwargs)
                 out = method(*args, **kwargs)
-                for group in state._fsdp_param_groups:
+                for group in param_groups(state):
                     if group._training_state == TrainingState.IDLE and not group._reshard_after_forward:
                         group._training_state = TrainingState.FORWARD  # a nested forward already ran
                 return state._post_forward(module, args, out)

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_ampzero.process import collective_device
+
 
 def _local(t: Tensor) -> tuple[Tensor, bool]:
     from torch.distributed.tensor import DTensor
@@ -56,7 +58,10 @@ def global_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Te
     shard_part, repl_part = _reduce(sharded), _reduce(replicated)
     group = _group_of(grads)
     if group is not None and dist.is_initialized():
+        # Offloaded gradients are on the CPU, and NCCL reduces CUDA tensors only.
+        shard_part = shard_part.to(collective_device(group, device))
         dist.all_reduce(shard_part, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
+        shard_part = shard_part.to(device)
     if math.isinf(norm_type):
         return torch.maximum(shard_part, repl_part)
     return (shard_part + repl_part).pow(1.0 / norm_type)

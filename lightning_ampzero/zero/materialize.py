@@ -22,6 +22,8 @@ from typing import Mapping, MutableMapping, Optional
 import torch
 from torch import nn
 
+from lightning_ampzero.zero.groups import module_param_groups
+
 
 def built_outside_note(module: nn.Module) -> Optional[str]:
     """A note for a stage-3 model whose parameters exist in full (built outside ``configure_model()``), else None.
@@ -68,7 +70,7 @@ def _fsdp_params(module: nn.Module) -> list:
     out = []
     for m in module.modules():
         if isinstance(m, FSDPModule):
-            for group in m._get_fsdp_state()._fsdp_param_groups:
+            for group in module_param_groups(m):
                 out.extend(group.fsdp_params)
     return out
 

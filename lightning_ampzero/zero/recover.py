@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_ampzero.zero.comm import finish_in_flight
+from lightning_ampzero.zero.groups import param_groups, reset_iter_state
 
 INTERRUPTED_WARNING = (
     "An exception interrupted the previous forward or backward, and the training went on (it was caught)."
@@ -65,7 +66,7 @@ def _idle(model: FSDPModule, *, in_step: bool) -> bool:
         return False
     # every FSDP2 state under the root (filled by FSDP2's lazy init; empty before the first forward)
     return all(s._training_state == TrainingState.IDLE for s in ctx.all_states) and all(
-        g._training_state == TrainingState.IDLE for s in ctx.all_states for g in s._fsdp_param_groups)
+        g._training_state == TrainingState.IDLE for s in ctx.all_states for g in param_groups(s))
 
 
 def reset_interrupted_step(model: nn.Module, *, in_step: bool = False) -> bool:
@@ -79,11 +80,11 @@ def reset_interrupted_step(model: nn.Module, *, in_step: bool = False) -> bool:
     if _idle(model, in_step=in_step):
         return False
     finish_in_flight()
-    model.reset_iter_state()
+    reset_iter_state(model)  # torch 2.11 has no FSDPModule.reset_iter_state ([Note: FSDP2 across torch versions])
     # Torch's reset leaves the gradients autograd had put on the gathered parameters before the
     # exception (their group not reduced yet); the next backward would add into them.
     for state in model._get_fsdp_state()._state_ctx.all_states:
-        for group in state._fsdp_param_groups:
+        for group in param_groups(state):
             for fsdp_param in group.fsdp_params:
                 fsdp_param.unsharded_accumulated_grad = None
                 if getattr(fsdp_param, "_unsharded_param", None) is not None:

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_ampzero.process import collective_device
+
 
 def scalar_parameters(model: nn.Module) -> set[nn.Parameter]:
     """The 0-dim parameters of ``model`` (each once, however many modules share it)."""
@@ -61,6 +63,8 @@ class _Averager:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():
             flat = torch.stack(grads).div_(self.world)
+            # Offloaded parameters' gradients are on the CPU, and NCCL reduces CUDA tensors only.
+            flat = flat.to(collective_device(self.group, flat.device))
             dist.all_reduce(flat, group=self.group)
             for g, mean in zip(grads, flat.unbind()):
                 g.copy_(mean)

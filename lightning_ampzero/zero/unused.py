@@ -56,6 +56,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ampzero.process import collective_device
+from lightning_ampzero.zero.groups import FSDP2_REDUCES_UNUSED, give_unused_zero_gradients, repeated_post_backward
+
 
 class UnusedTracker:
     """Records, per reducing post-backward, the parameters without a local gradient; sets them back to None
@@ -81,7 +84,9 @@ class UnusedTracker:
     def _recording(self, group: Any, post_backward: Any) -> Any:
         @functools.wraps(post_backward)
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            if group.reduce_grads:  # the reducing call: what FSDP2 is about to reduce (its own tests)
+            # The reducing call: what FSDP2 is about to reduce (its own tests); not torch 2.11's repeat
+            # ([Note: FSDP2 across torch versions] in groups.py).
+            if group.reduce_grads and not repeated_post_backward(group, "unused"):
                 for fp in group.fsdp_params:
                     if not hasattr(fp, "_unsharded_param") or not fp.unsharded_param.requires_grad:
                         continue
@@ -89,6 +94,8 @@ class UnusedTracker:
                         torch.autograd.Variable._execution_engine.queue_callback(self.flush)
                     had = fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
                     self.seen[id(fp.sharded_param)] = (fp.sharded_param, had, fp.sharded_param.grad is None)
+                if not FSDP2_REDUCES_UNUSED:
+                    give_unused_zero_gradients(group)
             return post_backward(*args, **kwargs)
 
         return recorded
@@ -99,7 +106,8 @@ class UnusedTracker:
 
         finish_in_flight()  # reduce-scatters left in flight finish before another collective starts
         seen, self.seen = sorted(self.seen.items(), key=lambda kv: self.order.get(kv[0], -1)), {}
-        flags = torch.tensor([had for _, (_, had, _) in seen], dtype=torch.uint8)
+        flags = torch.tensor([had for _, (_, had, _) in seen], dtype=torch.uint8,
+                             device=collective_device(self.group))  # NCCL: a CUDA tensor
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         for (_, (param, _, fresh)), anyone in zip(seen, flags.tolist()):
             # Only a gradient this backward created: an earlier micro-batch's stays (zeros were added to it).

@@ -29,14 +29,16 @@ REDUCE_SCATTERS = {"n": 0}
 
 
 def _count_reduce_scatters() -> None:
-    """Count FSDP2's gradient reduce-scatters (torch 2.13 calls dist.reduce_scatter_single)."""
-    original = dist.reduce_scatter_single
+    """Count FSDP2's gradient reduce-scatters (torch 2.13 calls dist.reduce_scatter_single, 2.11
+    dist.reduce_scatter_tensor)."""
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original = getattr(dist, name)
 
     def counted(*a, **kw):
         REDUCE_SCATTERS["n"] += 1
         return original(*a, **kw)
 
-    dist.reduce_scatter_single = counted
+    setattr(dist, name, counted)
 
 
 class Measured(GPTModule):

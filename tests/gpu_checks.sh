@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every GPU check in one run, for the day a CUDA machine is lent (CI has none): run from the
+# repository root as `bash tests/gpu_checks.sh OUT_DIR`, with the package and its dependencies
+# importable. Writes into OUT_DIR:
+#   pytest_gpu.log         the `-m gpu` tests: tests/test_gpu_stages.py (stages 0-3 x precisions,
+#                          offload to CPU and NVMe, CPU activation checkpoints, FP8, compile,
+#                          each against a reference run on the same GPU; a Hugging Face Llama),
+#                          the Triton FP8 kernels and _scaled_mm, autocast with host parameters,
+#                          the main job with parameter offload
+#   gpu_train.json         test_gpu_stages.py's figures per configuration
+#   main_job.log           the main job on the GPU (`experiment=shakespeare_gpu`, 200 steps):
+#                          its summary's tokens/s and MFU
+# The tests run three at a time (the GPU is shared, so their timings are not figures to report);
+# the main job runs alone after them. Each part has its own time limit, so one that hangs leaves
+# the other's results.
+set -u
+out="$(mkdir -p "${1:-gpu-out}" && cd "${1:-gpu-out}" && pwd)"
+py="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+nvidia-smi -L
+"$py" -c "import torch, lightning, transformers, triton; print('torch', torch.__version__, 'lightning', \
+lightning.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+
+# With pytest-xdist, three at a time: the stage matrix (test_gpu_stages.py, the longest) beside the rest.
+parallel="$("$py" -c "import xdist" 2>/dev/null && echo "-n 3")"
+AMPZERO_GPU_REPORT="$out/gpu_train.json" timeout "${PYTEST_S:-420}" "$py" -m pytest -m gpu $parallel -rA \
+    -p no:cacheprovider tests/test_gpu_stages.py tests/test_gpu_fp8.py tests/test_gpu_precision.py \
+    tests/test_fp8_kernels.py >"$out/pytest_gpu.log" 2>&1
+echo "pytest exit $?" >>"$out/pytest_gpu.log"
+(cd /tmp && timeout "${MAIN_JOB_S:-100}" "$py" -m lightning_ampzero.train experiment=shakespeare_gpu \
+    trainer.max_steps=200 hydra.run.dir=/tmp/main-job >"$out/main_job.log" 2>&1; echo "main job exit $?" >>"$out/main_job.log")
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$out/pytest_gpu.log"
+tail -n 40 "$out/main_job.log"
