@@ -103,11 +103,12 @@ def fsdp_param_groups(module: nn.Module) -> list:
     """FSDP2's parameter groups (one per ``fully_shard`` unit) under ``module``, each once."""
     from torch.distributed.fsdp import FSDPModule
 
+    from lightning_ampzero.zero.groups import module_param_groups
+
     groups: dict[int, Any] = {}
     for m in module.modules():
         if isinstance(m, FSDPModule):
-            group = m._get_fsdp_state()._fsdp_param_group
-            if group is not None:
+            for group in module_param_groups(m):  # [Note: FSDP2 across torch versions]
                 groups.setdefault(id(group), group)
     return list(groups.values())
 

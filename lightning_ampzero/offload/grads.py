@@ -64,7 +64,7 @@ from lightning_ampzero.offload.store import (
     round_up,
     swap_file_problem,
 )
-from lightning_ampzero.zero.groups import repeated_post_backward
+from lightning_ampzero.zero.groups import has_local_gradient, repeated_post_backward
 
 _ALIGN = 64  # bytes: every shard starts aligned for any dtype's view of the map
 _PAGE = 4096
@@ -197,9 +197,8 @@ class GradSwapper:
         """Whether FSDP2's ``post_backward`` is going to reduce-scatter this gradient (its own tests, mirrored)."""
         if not group.reduce_grads or not hasattr(fp, "_unsharded_param"):
             return False
-        unsharded = fp._unsharded_param
-        return (fp.unsharded_accumulated_grad is not None or unsharded.grad is not None
-                or (getattr(group, "reduce_scatter_unused_params", False) and unsharded.requires_grad))
+        return has_local_gradient(fp) or (getattr(group, "reduce_scatter_unused_params", False)
+                                          and fp._unsharded_param.requires_grad)
 
     def _write_unit(self, unit: _Unit, held: set[int]) -> None:
         pending = []

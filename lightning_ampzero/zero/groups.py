@@ -53,11 +53,16 @@ def module_param_groups(module: Any) -> list[Any]:
     return param_groups(module._get_fsdp_state())
 
 
+def has_local_gradient(fp: Any) -> bool:
+    """Whether FSDP2's post-backward has a gradient of this rank to reduce for the FSDPParam ``fp``
+    (its own test: one accumulated over micro-batches, or the gathered parameter's ``.grad``)."""
+    return hasattr(fp, "_unsharded_param") and (
+        fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None)
+
+
 def has_local_gradients(group: Any) -> bool:
-    """Whether the group's post-backward has a gradient of this rank to reduce (FSDP2's own test)."""
-    return any(hasattr(fp, "_unsharded_param")
-               and (fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None)
-               for fp in group.fsdp_params)
+    """Whether the group's post-backward has a gradient of this rank to reduce."""
+    return any(has_local_gradient(fp) for fp in group.fsdp_params)
 
 
 def repeated_post_backward(group: Any, caller: str) -> bool:

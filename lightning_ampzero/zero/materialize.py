@@ -22,7 +22,7 @@ from typing import Mapping, MutableMapping, Optional
 import torch
 from torch import nn
 
-from lightning_ampzero.zero.groups import module_param_groups
+from lightning_ampzero.memory import fsdp_param_groups
 
 
 def built_outside_note(module: nn.Module) -> Optional[str]:
@@ -62,17 +62,6 @@ def move_real_tensors_(module: nn.Module, device: torch.device) -> None:
                 p.data = p.data.to(device)
     for child in module.children():
         move_real_tensors_(child, device)
-
-
-def _fsdp_params(module: nn.Module) -> list:
-    from torch.distributed.fsdp import FSDPModule
-
-    out = []
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            for group in module_param_groups(m):
-                out.extend(group.fsdp_params)
-    return out
 
 
 def _owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
@@ -158,8 +147,9 @@ def materialize_meta_(module: nn.Module, device: torch.device,
         _reset_bottom_up(module, fresh, buffers_fresh, owners)
     # FSDP2 pads each local shard into its own buffer; re-read the tensors swapped in above (what
     # FSDPModule._apply does after to_empty).
-    for fsdp_param in _fsdp_params(module):
-        fsdp_param.reset_sharded_param()
+    for group in fsdp_param_groups(module):
+        for fsdp_param in group.fsdp_params:
+            fsdp_param.reset_sharded_param()
 
 
 def _reset_bottom_up(module: nn.Module, fresh: set[int], buffers_fresh: set[int], owners: Mapping[int, list]) -> None:

@@ -57,7 +57,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ampzero.process import collective_device
-from lightning_ampzero.zero.groups import FSDP2_REDUCES_UNUSED, give_unused_zero_gradients, repeated_post_backward
+from lightning_ampzero.zero.groups import (
+    FSDP2_REDUCES_UNUSED,
+    give_unused_zero_gradients,
+    has_local_gradient,
+    repeated_post_backward,
+)
 
 
 class UnusedTracker:
@@ -92,7 +97,7 @@ class UnusedTracker:
                         continue
                     if not self.seen:
                         torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-                    had = fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+                    had = has_local_gradient(fp)
                     self.seen[id(fp.sharded_param)] = (fp.sharded_param, had, fp.sharded_param.grad is None)
                 if not FSDP2_REDUCES_UNUSED:
                     give_unused_zero_gradients(group)
