@@ -24,6 +24,14 @@ def test_an_interrupted_step_trains_as_if_the_batch_were_skipped(results, case):
     assert not r["false_alarm"]  # and a run without an exception is not
 
 
+def test_the_unused_parameter_check_runs_again_after_an_interrupted_backward(results):
+    # Batches 0, 1 and 3-6 reduce (batch 2 is skipped, or interrupted in its backward, and takes no
+    # optimizer step, so max_steps=6 runs 7 batches). Before, the interrupted backward's records
+    # stayed and the tracker never queued its check again (2 of 6):
+    # no later step set a gradient no rank had back to None or caught units reduced out of order.
+    assert results["flushes/1/2000"] == {"skip": 6, "raise": 6}
+
+
 @pytest.mark.parametrize("bucket", ["2000", "5e+08"])
 def test_a_retry_inside_the_same_training_step_trains_as_that_step_without_the_exception(results, bucket):
     r = results[f"retry/{bucket}"]

@@ -20,6 +20,24 @@ ones no rank used: a gradient that this backward created for them (zeros) is set
 Under accumulation a gradient an earlier micro-batch left stays (zeros were added to it). The
 price is one small all-reduce per reducing backward.
 
+[Note: units reduced in different orders]
+The zero above covers a parameter inside a unit. A whole unit that some rank skips, or whose output
+gets no gradient there (a branch chosen from the data, ``self.a(h) if x[0, 0] > 0 else self.b(h)``,
+with each branch a unit of its own: a ``reduce_bucket_size`` smaller than the branches together),
+is reduced by FSDP2's end-of-backward callback on that rank, after the others, while the ranks that
+ran it reduce it in its place in the backward. Collectives pair in call order, so one rank's
+gradients of ``a`` were summed with another's of ``b``: with units of one size, silently
+(tests/scripts/branch_units.py: stages 1 and 2 were 0.0023 from ``ddp_find_unused_parameters_true``
+after 3 SGD steps); with sizes that differ, or a unit one rank never gathered (FSDP2 reduces
+nothing for it there: one collective fewer), gloo aborts in C++. So each reducing post-backward
+also records its unit's place in this backward's reductions, and the flags' all-reduce (MAX) carries, per
+unit, the place and the number of units minus the place: the two maxima add up to the number of
+units only when every rank reduced the unit in the same place. Otherwise the gradients are wrong on
+every rank, and the backward raises :data:`REDUCED_OUT_OF_ORDER`, naming the units, on every rank,
+before an optimizer step can use them. The flags' all-reduce was there already (two integers more
+per unit). Stage 3 gathers each unit in its forward, so there such a branch usually mismatches in
+the forward already (gloo's collective-mismatch abort).
+
 [Note: layers dropped on some ranks]
 Hugging Face's audio encoders (wav2vec2, HuBERT, WavLM, data2vec-audio, SEW, UniSpeech,
 SpeechT5, SeamlessM4T, ...) and NLLB-MoE drop whole layers at random in training (``layerdrop``,
@@ -74,11 +92,20 @@ class UnusedTracker:
         # sharded parameter -> (used on this rank, its sharded gradient was None before this reduction)
         self.seen: dict[int, tuple[nn.Parameter, bool, bool]] = {}
         self.order: dict[int, int] = {}
+        # [Note: units reduced in different orders]: (unit, its name) in model order; unit -> its place
+        # in this backward's reductions (from 1)
+        self.units: list[tuple[Any, str]] = []
+        self.places: dict[int, int] = {}
+        self.task = -1  # the backward (autograd graph task) whose flush is queued
 
     def install(self, model: nn.Module) -> None:
         from lightning_ampzero.memory import fsdp_param_groups
 
+        names = {id(m): name for name, m in model.named_modules()}
         for group in fsdp_param_groups(model):
+            if all(g is not group for g, _ in self.units):
+                name = ", ".join(names.get(id(m), type(m).__name__) or "(root)" for m in group.modules)
+                self.units.append((group, name))
             group.reduce_scatter_unused_params = True  # what FSDPModule.set_reduce_scatter_unused_params sets
             for fp in group.fsdp_params:
                 self.order.setdefault(id(fp.sharded_param), len(self.order))  # model order: the same on every rank
@@ -95,10 +122,15 @@ class UnusedTracker:
                 for fp in group.fsdp_params:
                     if not hasattr(fp, "_unsharded_param") or not fp.unsharded_param.requires_grad:
                         continue
-                    if not self.seen:
+                    task = torch._C._current_graph_task_id()
+                    if not self.seen or task not in (-1, self.task):
+                        # The first reduction of this backward. Records left by one an exception ended
+                        # (its flush never ran) are dropped, or no flush would ever be queued again.
+                        self.seen, self.places, self.task = {}, {}, task
                         torch.autograd.Variable._execution_engine.queue_callback(self.flush)
                     had = has_local_gradient(fp)
                     self.seen[id(fp.sharded_param)] = (fp.sharded_param, had, fp.sharded_param.grad is None)
+                    self.places.setdefault(id(group), len(self.places) + 1)
                 if not FSDP2_REDUCES_UNUSED:
                     give_unused_zero_gradients(group)
             return post_backward(*args, **kwargs)
@@ -111,13 +143,35 @@ class UnusedTracker:
 
         finish_in_flight()  # reduce-scatters left in flight finish before another collective starts
         seen, self.seen = sorted(self.seen.items(), key=lambda kv: self.order.get(kv[0], -1)), {}
-        flags = torch.tensor([had for _, (_, had, _) in seen], dtype=torch.uint8,
+        places, self.places = self.places, {}
+        # [Note: units reduced in different orders]: per unit its place (0: not reduced) and n - place
+        n = len(self.units)
+        mine = [places.get(id(group), 0) for group, _ in self.units]
+        flags = torch.tensor([had for _, (_, had, _) in seen] + mine + [n - p for p in mine], dtype=torch.int32,
                              device=collective_device(self.group))  # NCCL: a CUDA tensor
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        for (_, (param, _, fresh)), anyone in zip(seen, flags.tolist()):
+        values = flags.tolist()
+        latest, earliest = values[len(seen):len(seen) + n], [n - v for v in values[len(seen) + n:]]
+        moved = [name for (_, name), a, b in zip(self.units, latest, earliest) if a != b]
+        if moved:
+            listed = "; ".join(moved[:6]) + ("; ..." if moved[6:] else "")
+            raise RuntimeError(REDUCED_OUT_OF_ORDER.format(units=listed))
+        for (_, (param, _, fresh)), anyone in zip(seen, values):
             # Only a gradient this backward created: an earlier micro-batch's stays (zeros were added to it).
             if not anyone and fresh:
                 param.grad = None
+
+
+REDUCED_OUT_OF_ORDER = (
+    "ZeRO: in this backward the ranks reduced the gradients of some sharding units in different orders"
+    " (units: {units}):"
+    " a unit ran its forward, or got a gradient, on some ranks only (a branch chosen from the data, an expert that is"
+    " a unit of its own). Collectives pair in call order, so these gradients were summed across the wrong units, and"
+    " training stops before an optimizer step uses them. Make every rank run every unit: keep the branches inside one"
+    " unit (a reduce_bucket_size larger than the branches together, as the default 5e8 elements is, or wrap_modules"
+    " naming the module around them), or use stage 0 (DDP with find_unused_parameters=True), which allows it."
+    " See [Note: units reduced in different orders] in lightning_ampzero/zero/unused.py."
+)
 
 
 def layers_dropped(model: nn.Module) -> list[str]:
