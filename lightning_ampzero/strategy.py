@@ -109,6 +109,25 @@ FREED_IN_BACKWARD = (
 )
 
 
+SYNC_BATCHNORM_ON_CPU = (
+    "Trainer(sync_batchnorm=True) converts the BatchNorm layers to torch's SyncBatchNorm, which runs on GPUs only"
+    " (Lightning's ddp refuses it on CPU too). On CPU, drop sync_batchnorm=True: each rank then normalizes with its"
+    " own batch's statistics and the running statistics follow rank 0's, as under DDP."
+)
+
+
+def sync_batchnorm_layers(layer_sync: Any, module: torch.nn.Module, device_type: str) -> torch.nn.Module:
+    """``Trainer(sync_batchnorm=True)`` (Lightning's ``layer_sync``): the BatchNorm layers of ``module`` become
+    SyncBatchNorm, as Lightning's ddp and fsdp strategies make them, before any wrapping or sharding; refused on
+    CPU, where torch's SyncBatchNorm cannot run. Before, the flag was ignored at every stage, silently (a new-user
+    trial: each rank normalized with its own statistics, 3.6e-2 from one process on the whole batch)."""
+    if layer_sync is None:
+        return module
+    if device_type == "cpu":
+        raise ValueError(SYNC_BATCHNORM_ON_CPU)
+    return layer_sync.apply(module)
+
+
 def _flat_keywords() -> dict[str, type]:
     """Each keyword :func:`resolve_config` takes flat -> the config dataclass whose field it is.
 
@@ -438,6 +457,8 @@ class AmpZeroStrategy(ParallelStrategy):
         self._ddp_interrupted = False  # a new fit wraps a new DDP
         from torch.distributed.fsdp import FSDPModule
 
+        if not isinstance(module, FSDPModule) and trainer.state.fn == TrainerFn.FITTING:
+            module = sync_batchnorm_layers(self._layer_sync, module, self.root_device.type)
         if isinstance(module, FSDPModule):
             # Partitioned by an earlier fit/validate/test with this strategy: keep the shards, and make
             # them the module's parameters again ([Note: units left gathered by evaluation]).

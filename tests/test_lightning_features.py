@@ -147,3 +147,27 @@ def test_a_keyword_of_a_nested_section_is_refused_with_where_it_lives():
     s = AmpZeroStrategy(precision=PrecisionConfig(communication_data_type="fp32",
                                                   loss_scaler=LossScalerConfig(hysteresis=2)))
     assert (s.config.precision.communication_data_type, s.config.precision.loss_scaler.hysteresis) == ("fp32", 2)
+
+
+def test_sync_batchnorm_is_refused_on_cpu_at_every_stage(tmp_path):
+    # Before, Trainer(sync_batchnorm=True) was ignored at every stage, silently: each rank normalized
+    # with its own batch's statistics (a new-user trial: 3.6e-2 from one process on the whole batch).
+    errors = run_json("sync_batchnorm.py", tmp_path / "out.json", timeout=600)
+    for stage in "0123":
+        assert "sync_batchnorm=True" in errors[stage] and "GPUs only" in errors[stage], stage
+
+
+def test_sync_batchnorm_converts_the_batchnorm_layers_before_wrapping_on_a_gpu():
+    from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+    from torch import nn
+
+    from lightning_ampzero.strategy import sync_batchnorm_layers
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm1d(4)))
+    weight = model[1].weight
+    # conversion needs no GPU; only SyncBatchNorm's forward does
+    out = sync_batchnorm_layers(TorchSyncBatchNorm(), model, "cuda")
+    assert out is model and isinstance(model[1], nn.SyncBatchNorm) and isinstance(model[2][0], nn.SyncBatchNorm)
+    assert model[1].weight is weight  # the same parameters: what the optimizer and the shards hold
+    plain = nn.Sequential(nn.BatchNorm2d(4))
+    assert sync_batchnorm_layers(None, plain, "cpu") is plain and type(plain[0]) is nn.BatchNorm2d
