@@ -103,7 +103,7 @@ class UnusedTracker:
 
         names = {id(m): name for name, m in model.named_modules()}
         for group in fsdp_param_groups(model):
-            if all(g is not group for g, _ in self.units):
+            if id(group) not in {id(g) for g, _ in self.units}:  # setup only: listed once
                 name = ", ".join(names.get(id(m), type(m).__name__) or "(root)" for m in group.modules)
                 self.units.append((group, name))
             group.reduce_scatter_unused_params = True  # what FSDPModule.set_reduce_scatter_unused_params sets
