@@ -30,13 +30,13 @@ gradients of ``a`` were summed with another's of ``b``: with units of one size, 
 (tests/scripts/branch_units.py: stages 1 and 2 were 0.0023 from ``ddp_find_unused_parameters_true``
 after 3 SGD steps); with sizes that differ, or a unit one rank never gathered (FSDP2 reduces
 nothing for it there: one collective fewer), gloo aborts in C++. So each reducing post-backward
-also records its unit's place in this backward's reductions, and the flags' all-reduce (MAX) carries, per
-unit, the place and the number of units minus the place: the two maxima add up to the number of
-units only when every rank reduced the unit in the same place. Otherwise the gradients are wrong on
-every rank, and the backward raises :data:`REDUCED_OUT_OF_ORDER`, naming the units, on every rank,
-before an optimizer step can use them. The flags' all-reduce was there already (two integers more
-per unit). Stage 3 gathers each unit in its forward, so there such a branch usually mismatches in
-the forward already (gloo's collective-mismatch abort).
+also records its unit's place in this backward's reductions, and the flags' all-reduce (MAX)
+carries, per unit, the place and the number of units minus the place: the two maxima add up to the
+number of units only when every rank reduced the unit in the same place. Otherwise the gradients
+are wrong on every rank, and the backward raises :data:`REDUCED_OUT_OF_ORDER`, naming the units, on
+every rank, before an optimizer step can use them. The flags' all-reduce was there already (two
+integers more per unit). Stage 3 gathers each unit in its forward, so there such a branch usually
+mismatches in the forward already (gloo's collective-mismatch abort).
 
 [Note: layers dropped on some ranks]
 Hugging Face's audio encoders (wav2vec2, HuBERT, WavLM, data2vec-audio, SEW, UniSpeech,
@@ -102,10 +102,9 @@ class UnusedTracker:
         from lightning_ampzero.memory import fsdp_param_groups
 
         names = {id(m): name for name, m in model.named_modules()}
-        for group in fsdp_param_groups(model):
-            if id(group) not in {id(g) for g, _ in self.units}:  # setup only: listed once
-                name = ", ".join(names.get(id(m), type(m).__name__) or "(root)" for m in group.modules)
-                self.units.append((group, name))
+        for group in fsdp_param_groups(model):  # each group once
+            name = ", ".join(names.get(id(m), type(m).__name__) or "(root)" for m in group.modules)
+            self.units.append((group, name))
             group.reduce_scatter_unused_params = True  # what FSDPModule.set_reduce_scatter_unused_params sets
             for fp in group.fsdp_params:
                 self.order.setdefault(id(fp.sharded_param), len(self.order))  # model order: the same on every rank
@@ -119,10 +118,10 @@ class UnusedTracker:
             # The reducing call: what FSDP2 is about to reduce (its own tests); not torch 2.11's repeat
             # ([Note: FSDP2 across torch versions] in groups.py).
             if group.reduce_grads and not repeated_post_backward(group, "unused"):
+                task = torch._C._current_graph_task_id()
                 for fp in group.fsdp_params:
                     if not hasattr(fp, "_unsharded_param") or not fp.unsharded_param.requires_grad:
                         continue
-                    task = torch._C._current_graph_task_id()
                     if not self.seen or task not in (-1, self.task):
                         # The first reduction of this backward. Records left by one an exception ended
                         # (its flush never ran) are dropped, or no flush would ever be queued again.
