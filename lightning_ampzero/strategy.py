@@ -189,11 +189,18 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
     owner = _flat_keywords()  # [offload] flat too: offload_optimizer="cpu", ...
     unknown = [k for k in overrides if k not in owner]
     if unknown:
+        from lightning_ampzero._deepspeed.lightning_keywords import lightning_keyword_hint
+
+        ported = lightning_keyword_hint(unknown[0])  # a keyword of Lightning's DeepSpeedStrategy
         raise TypeError(
             f"AmpZeroStrategy got an unknown argument {unknown[0]!r}."
-            f"{_nested_home(unknown[0]) or suggest(unknown[0], set(owner))}"
+            f"{' ' + ported if ported else _nested_home(unknown[0]) or suggest(unknown[0], set(owner))}"
             f" Arguments: config, {', '.join(sorted(set(owner) - {'zero'}))}."
         )
+    if isinstance(overrides.get("offload_optimizer"), bool):  # Lightning's DeepSpeedStrategy(offload_optimizer=True)
+        from lightning_ampzero._deepspeed.lightning_keywords import lightning_keyword_hint
+
+        raise ValueError(lightning_keyword_hint("offload_optimizer", overrides["offload_optimizer"]))
     top_kw, zero_kw, offload_kw = ({k: v for k, v in overrides.items() if owner[k] is section}
                                    for section in (AmpZeroConfig, ZeroConfig, OffloadConfig))
     # A nested config may be given as a mapping (e.g. the registry's init params, a Hydra node), and
@@ -347,6 +354,10 @@ class AmpZeroStrategy(ParallelStrategy):
         # convert it, so the usual precision strings select ours (FACTS.md, integration traps).
         if plugin is not None and not isinstance(plugin, AmpZeroPrecision):
             plugin = AmpZeroPrecision.from_lightning(plugin, self.config.precision)
+            if self.imported is not None:  # a DeepSpeed config's fp16 section under "enabled": "auto"
+                config = self.imported.precision_config(plugin.precision, plugin.config)
+                if config is not plugin.config:
+                    plugin = AmpZeroPrecision(plugin.precision, config, device=plugin.device)
         self._precision_plugin = plugin
 
     @property

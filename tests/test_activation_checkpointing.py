@@ -316,6 +316,34 @@ def test_a_hugging_face_decoder_block_called_with_a_cache_trains_as_without_the_
         assert all(torch.equal(g, reference[n]) for n, g in grads(AC(mode="full"), use_cache=False).items())
 
 
+def test_hugging_faces_own_gradient_checkpointing_beside_ours_is_said_and_changes_no_gradient():
+    # A trial: a DeepSpeed config's activation_checkpointing section plus gradient_checkpointing_enable()
+    # checkpointed every block twice, without a word (bit-equal, only slower).
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def grads(hf: bool, ours: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).train()
+        if hf:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if ours:
+                apply_activation_checkpointing(model, AC(mode="full"))
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        said = [str(w.message) for w in caught if "gradient checkpointing" in str(w.message)]
+        return {n: p.grad for n, p in model.named_parameters()}, said
+
+    reference, _ = grads(False, False)
+    for hf, ours in ((True, False), (False, True), (True, True)):
+        got, said = grads(hf, ours)
+        assert all(torch.equal(got[n], reference[n]) for n in reference)
+        assert len(said) == (1 if hf and ours else 0), said
+    assert "model.gradient_checkpointing_disable()" in said[0]
+
+
 def test_a_block_that_only_reads_its_cache_keeps_it_under_checkpointing():
     seen: list[tuple[bool, bool]] = []
 

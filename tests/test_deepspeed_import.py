@@ -242,6 +242,9 @@ def test_unknown_keys_fail_with_path_and_suggestion(config, expected):
         ({"communication_data_type": "int8"}, "Allowed values: fp32, fp16, bf16"),
         ({"optimizer": {"type": "Adamm", "params": {}}}, "Allowed values: 'Adam', 'AdamW'"),
         ({"scheduler": {"type": "OneCycle", "params": {}}}, "configure it in your LightningModule"),
+        # with its own params: "not supported", not "misspelt keys" (a trial)
+        ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}},
+         "'OneCycle' is not supported (a DeepSpeed scheduler: configure it in your LightningModule, e.g. torch.optim.lr_scheduler.CyclicLR)"),
         ({"zero_optimization": {"offload_param": {"device": "gpu"}}}, "'none', 'cpu', 'nvme'"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be a whole number >= 1"),
         ({"msamp": {"enabled": True, "opt_level": "O3"}}, "Allowed values: 'O1', 'O2'"),
@@ -458,6 +461,9 @@ def test_another_deepspeed_optimizer_is_ignored_beside_the_modules_own_and_refus
         assert isinstance(module.configure_optimizers(), torch.optim.SGD)
     with pytest.raises(DeepSpeedConfigError, match="configures no optimizer, and the config's optimizer.type='Lamb'"):
         r.configure_optimizers(_bare_module())
+    assert "(e.g. timm.optim.Lamb)" in r.unsupported_optimizer
+    # each names what to configure instead: not Lamb for SGD (a trial)
+    assert "(torch.optim.SGD)" in convert_deepspeed_config({"optimizer": {"type": "SGD"}}).unsupported_optimizer
     with pytest.raises(DeepSpeedConfigError, match="remove the optimizer section"):
         r.hydra_values(2)
     # A name DeepSpeed does not know stays an error, with a suggestion.
@@ -465,17 +471,29 @@ def test_another_deepspeed_optimizer_is_ignored_beside_the_modules_own_and_refus
         convert_deepspeed_config({"optimizer": {"type": "AdamWW"}})
 
 
-def test_own_optimizer_with_config_scheduler_follows_deepspeeds_lr_sequence(tmp_path):
+@pytest.mark.parametrize("own_scheduler", [False, True])
+def test_own_optimizer_with_config_scheduler_follows_deepspeeds_lr_sequence(tmp_path, own_scheduler):
+    """The section steps the module's optimizer; a scheduler of the module's own wins over it.
+
+    DeepSpeed 0.15 and later (its PR 5846) and Lightning's DeepSpeedStrategy keep a client
+    scheduler; before, the section replaced it here, and a trial's StepLR ran as WarmupLR.
+    """
     import lightning.pytorch as pl
 
     r = _convert({"scheduler": {"type": "WarmupDecayLR", "params": {
         "warmup_min_lr": 0.01, "warmup_max_lr": 0.5, "warmup_num_steps": 4, "total_num_steps": 10}}})
-    module = _own_optimizer_module(with_scheduler=True)
+    module = _own_optimizer_module(with_scheduler=own_scheduler)
     r.install_optimizers(module)
     trainer = pl.Trainer(max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
-    with pytest.warns(DeepSpeedConfigWarning, match="replaces the scheduler"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.fit(module, torch.utils.data.DataLoader(torch.randn(12, 2), batch_size=1))
+    said = [str(w.message) for w in caught if issubclass(w.category, DeepSpeedConfigWarning)]
+    assert any("scheduler section is ignored" in m for m in said) == own_scheduler
+    if own_scheduler:  # the module's StepLR(step_size=1, gamma=0.1), stepped per epoch: one epoch of 12 steps
+        assert module.lrs == pytest.approx([0.1] * 12)
+        return
     expected = [0.01] + [0.01 + 0.49 * _deepspeed_gamma(k - 1, 4, 10, "log") for k in range(1, 12)]
     assert module.lrs == pytest.approx(expected)
     assert module.lrs[5] == pytest.approx(0.5) and module.lrs[11] == pytest.approx(0.01)  # decayed to min at 10
@@ -655,6 +673,41 @@ def test_fp16_tutorial_configs_train_on_two_processes(tmp_path):
     assert results[str(CONFIGS / "zero1_fp16_warmupdecay.json")]["stage"] == 1
 
 
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
+def test_an_auto_fp16_section_scales_as_written_when_the_run_is_fp16(precision):
+    """fp16.enabled "auto" (Hugging Face's configs): its loss-scaler values were dropped under 16-mixed.
+
+    A new-user trial's config (initial_scale_power 8, loss_scale_window 3, hysteresis 1) trained with
+    the defaults (16, 1000, 2) while the log said fp16 was on. They now hold when the Trainer's
+    precision is fp16, and are left out (not refused) when it is not.
+    """
+    import lightning.pytorch as pl
+
+    from lightning_ampzero import AmpZeroStrategy
+    from lightning_ampzero.config import LossScalerConfig
+
+    config = {"fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 3,
+                       "hysteresis": 1, "min_loss_scale": "auto"}, "zero_optimization": {"stage": 2}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False, precision=precision,
+                             strategy=AmpZeroStrategy(config=config))
+    scaler = trainer.precision_plugin.config.loss_scaler
+    if precision == "16-mixed":
+        assert scaler == LossScalerConfig(initial_scale_power=8, loss_scale_window=3, hysteresis=1)
+        assert trainer.precision_plugin.scaler.get_scale() == 2.0 ** 8
+    else:
+        assert scaler == LossScalerConfig()
+    imported = trainer.strategy.imported
+    said = imported._auto_enabled("fp16.enabled", precision)
+    assert said.startswith("true" if precision == "16-mixed" else "false")
+    assert ("loss-scaler values" in said) == (precision == "16-mixed")
+    # a bad value in such a section is refused at conversion, as under "enabled": true
+    with pytest.raises(DeepSpeedConfigError, match="hysteresis"):
+        convert_deepspeed_config({"fp16": {"enabled": "auto", "hysteresis": 0}})
+
+
 def test_disabled_fp16_section_with_scaler_keys_is_accepted():
     """Regression: fp16.enabled=false plus scaler keys used to crash on an internal marker."""
     from lightning_ampzero.deepspeed import convert_deepspeed_config
@@ -766,14 +819,21 @@ def test_the_auto_values_are_listed_with_what_they_resolved_to():
     assert said["optimizer.params.lr"] == "0.0123 (the optimizer's)"
     assert said["optimizer.params.weight_decay"] == "0.05 (the optimizer's)"
     assert said["scheduler.params.warmup_max_lr"] == "0.0123 (the optimizer's lr)"
-    assert said["scheduler.params.warmup_num_steps"] == "0 (the default, no warmup)"
+    assert said["scheduler.params.warmup_num_steps"].startswith("0 (the default; DeepSpeed warms up over at least 2")
     assert said["zero_optimization.reduce_bucket_size"] == f"{r.config.zero.reduce_bucket_size!r} (the default)"
     assert said["zero_optimization.stage3_prefetch_bucket_size"] == f"{r.config.zero.prefetch_bucket_size!r} (the default)"
     assert said["gradient_accumulation_steps"] == "2 (the Trainer's)"
     assert said["gradient_clipping"] == "no clipping (the Trainer's)"
     assert said["train_micro_batch_size_per_gpu"] == "4 (from the training DataLoader's batch_size)"
     assert said["train_batch_size"] == "16 (from the training DataLoader's batch_size)"  # 4 x 2 x 2
-    assert said["fp16.enabled"] == said["bf16.enabled"] == "'bf16-mixed' (the precision in use)"
+    assert said["fp16.enabled"] == "false ('bf16-mixed' is the precision in use)"  # not "'bf16-mixed'": a trial
+    # the optimizer the section built: its "auto" values are the module's lr and our defaults, not "the optimizer's"
+    built = r.configure_optimizers(_bare_module(lr=0.0123), SimpleNamespace(estimated_stepping_batches=10))
+    trainer.optimizers = [built["optimizer"]]
+    said = dict(line.split(" = ", 1) for line in r.auto_values(trainer, r.config))
+    assert said["optimizer.params.lr"] == "0.0123 (the LightningModule's lr)"
+    assert said["optimizer.params.weight_decay"].endswith(" (the default)")
+    assert said["bf16.enabled"] == "true ('bf16-mixed' is the precision in use)"
 
 
 def test_a_fit_logs_the_auto_values_it_resolved(tmp_path):

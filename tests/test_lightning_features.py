@@ -149,6 +149,41 @@ def test_a_keyword_of_a_nested_section_is_refused_with_where_it_lives():
     assert (s.config.precision.communication_data_type, s.config.precision.loss_scaler.hysteresis) == ("fp32", 2)
 
 
+def test_every_keyword_of_lightnings_deepspeed_strategy_is_taken_or_answered():
+    """A port of DeepSpeedStrategy(...) keywords: each is taken as it is, or its message says what to write.
+
+    A trial's port got a bare "unknown argument" for contiguous_gradients, logging_level, ...
+    (the same keys in a JSON config are listed with a reason) and, for offload_optimizer=True,
+    "Allowed values: 'none', 'cpu', 'nvme'" without saying True is 'cpu'.
+    """
+    import inspect
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lightning_ampzero.strategy import AmpZeroStrategy, _flat_keywords
+
+    # the Strategy's own constructor arguments, and the keywords taken as they are
+    own = {"self", "accelerator", "parallel_devices", "cluster_environment", "precision_plugin", "config"}
+    own |= set(_flat_keywords()) - {"offload_optimizer"}  # (a bool offload_optimizer is answered)
+    answered = 0
+    for name, param in inspect.signature(DeepSpeedStrategy.__init__).parameters.items():
+        if name in own:
+            continue
+        value = param.default if param.default not in (None, inspect.Parameter.empty) else 1
+        try:
+            AmpZeroStrategy(**{name: value})
+        except (TypeError, ValueError) as error:
+            message = str(error)
+            assert f"Lightning's DeepSpeedStrategy({name}=" in message or "It is a field of" in message, message
+            answered += 1
+    assert answered >= 25  # most; the rest (stage, overlap_comm, reduce_bucket_size, ...) are taken as they are
+    with pytest.raises(ValueError, match=r"DeepSpeedStrategy\(offload_optimizer=True\) is offload_optimizer='cpu'"):
+        AmpZeroStrategy(stage=2, offload_optimizer=True)
+    with pytest.raises(TypeError, match=r"is timeout_s=<seconds> here"):
+        AmpZeroStrategy(timeout=60)
+    assert AmpZeroStrategy(timeout_s=60).config.zero.timeout_s == 60  # what it names works
+
+
 def test_sync_batchnorm_is_refused_on_cpu_at_every_stage(tmp_path):
     # Before, Trainer(sync_batchnorm=True) was ignored at every stage, silently: each rank normalized
     # with its own batch's statistics (a new-user trial: 3.6e-2 from one process on the whole batch).

@@ -25,7 +25,7 @@ from lightning_ampzero._deepspeed.precision import convert_precision
 from lightning_ampzero._deepspeed.result import ImportedDeepSpeedConfig
 from lightning_ampzero._deepspeed.zero import _ZERO, convert_zero
 from lightning_ampzero._schema import config_from_dict
-from lightning_ampzero.config import AmpZeroConfig
+from lightning_ampzero.config import AmpZeroConfig, LossScalerConfig
 
 # DeepSpeed's top-level keys (the tables' format: common.py).
 _TOP: dict[str, Any] = {
@@ -113,6 +113,7 @@ class _Converter:
         self.scheduler: Optional[SchedulerConfig] = None
         self.notes: list[tuple[str, str]] = []
         self.offload_optimizer = "none"  # the offload_optimizer device (aio needs it)
+        self.fp16_auto_loss_scaler: Optional[LossScalerConfig] = None  # fp16.enabled "auto": see precision.py
 
     # -- helpers ---------------------------------------------------------------------------
     def section(self, data: Any, path: str) -> dict[str, Any]:
@@ -237,7 +238,7 @@ class _Converter:
             no_effect=tuple(self.no_effect), auto=tuple(self.auto), source=self.source,
             optimizer_auto=tuple(self.optimizer_auto), notes=tuple(self.notes),
             unsupported_optimizer=self.unsupported_optimizer,
-            auto_targets=tuple(self.auto_targets.items()),
+            auto_targets=tuple(self.auto_targets.items()), fp16_auto_loss_scaler=self.fp16_auto_loss_scaler,
         )
 
     def _trainer(self, trainer: dict[str, tuple[Any, str]]) -> dict[str, Any]:

@@ -180,7 +180,13 @@ _OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch
                      "amsgrad", "fused")
 _SCHEDULER_PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
                      "last_batch_iteration")
-_DS_OTHER_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupCosineLR")
+#: DeepSpeed's other schedulers, and what to configure in the module instead.
+_DS_OTHER_SCHEDULERS = {"LRRangeTest": "Lightning's Tuner(trainer).lr_find", "OneCycle": "torch.optim.lr_scheduler.CyclicLR",
+                        "WarmupCosineLR": "torch.optim.lr_scheduler.SequentialLR of LinearLR and CosineAnnealingLR"}
+#: What to configure in the module for one of DeepSpeed's other optimizers (the message's example).
+_OPTIMIZER_STANDINS = {"sgd": "torch.optim.SGD", "adagrad": "torch.optim.Adagrad", "musgd": "torch.optim.SGD",
+                       "cpuadam": "torch.optim.AdamW", "fusedadam": "torch.optim.AdamW", "muon": "torch.optim.Muon",
+                       "lion": "e.g. lion_pytorch.Lion", "lamb": "e.g. timm.optim.Lamb", "onebitlamb": "e.g. timm.optim.Lamb"}
 
 
 def _type_and_params(conv: Any, data: dict[str, Any], section: str, known: tuple[str, ...]) -> tuple[str, Any]:
@@ -202,7 +208,8 @@ def convert_optimizer(conv: Any, opt: dict[str, Any]) -> None:
         # when the module configures no optimizer ([Note: a DeepSpeed optimizer we do not build]).
         conv.unsupported_optimizer = (
             f"optimizer.type={name!r} (a DeepSpeed optimizer) is not built here: only 'Adam' and 'AdamW' are."
-            " Configure it in the LightningModule's configure_optimizers() (e.g. timm.optim.Lamb), and the"
+            f" Configure it in the LightningModule's configure_optimizers()"
+            f" ({_OPTIMIZER_STANDINS.get(name.lower(), 'its own implementation')}), and the"
             " config's optimizer section is ignored, as DeepSpeed ignores it for a client optimizer.")
         return
     if kind is None:
@@ -237,13 +244,17 @@ def convert_optimizer(conv: Any, opt: dict[str, Any]) -> None:
 def convert_scheduler(conv: Any, sched: dict[str, Any]) -> None:
     if not sched:
         return
-    name, params = _type_and_params(conv, sched, "scheduler", _SCHEDULER_PARAMS)
+    name = str(sched.get("type", ""))
     if name not in SCHEDULERS:
+        # before its params: OneCycle's own (cycle_min_lr, ...) were refused as misspelt keys (a trial)
+        conv.check_keys(sched, ("type", "params"), "scheduler")
         hint = suggest(name, SCHEDULERS)
-        extra = " (a DeepSpeed scheduler: configure it in your LightningModule)" if name in _DS_OTHER_SCHEDULERS else ""
+        extra = (f" (a DeepSpeed scheduler: configure it in your LightningModule, e.g. {_DS_OTHER_SCHEDULERS[name]})"
+                 if name in _DS_OTHER_SCHEDULERS else "")
         conv.errors.append(f"scheduler.type={name!r} is not supported{extra}. Allowed values: 'WarmupLR',"
                            f" 'WarmupDecayLR'.{hint}")
         return
+    _, params = _type_and_params(conv, sched, "scheduler", _SCHEDULER_PARAMS)
     kwargs: dict[str, Any] = {"type": name}
     for key in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"):
         if key not in params:

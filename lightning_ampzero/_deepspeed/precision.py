@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from lightning_ampzero._deepspeed.common import _HANDLED, _NoEffect, _is_auto
+from lightning_ampzero._schema import config_from_dict
 from lightning_ampzero.config import LossScalerConfig
 
 _FP16: dict[str, Any] = {
@@ -63,18 +64,20 @@ def convert_precision(conv: Any, data: Mapping[str, Any]) -> None:
                                    " inputs over fp32 parameters, whatever auto_cast says (precision=\"16-true\""
                                    " keeps fp16 parameters with fp32 masters)"))
     elif fp16:
-        # Like DeepSpeed, the scaler keys only count when fp16 is on. With "auto" the Trainer's
-        # precision decides; non-default scaler values would then be lost: say so.
         conv.check_keys(fp16, _FP16, "fp16")
-        default = LossScalerConfig()
-        changed = [k for k, target in _FP16.items() if isinstance(target, str) and target != _HANDLED
-                   and k in fp16 and not _is_auto(fp16[k]) and fp16[k] != getattr(default, target.rsplit(".", 1)[-1])]
-        if fp16_on is None and changed:
-            conv.no_effect.append((
-                "fp16." + "/".join(changed),
-                "fp16.enabled is \"auto\": for these loss-scaler values use precision=\"16-mixed\" and"
-                " PrecisionConfig(loss_scaler=...)",
-            ))
+        if fp16_on is None:
+            # "auto" (the Hugging Face integration's placeholder): fp16 is on when the run's precision
+            # is an fp16 one, and then the section's loss-scaler values are DeepSpeed's, as in a config
+            # that says true. They are kept apart and applied once the precision is known (the
+            # strategy's precision plugin): set as the schema's loss_scaler they would be refused
+            # under bf16, and dropped they were (initial_scale_power 8 ran as 16: a trial).
+            scaler = {target.rsplit(".", 1)[-1]: fp16[key] for key, target in _FP16.items()
+                      if isinstance(target, str) and target != _HANDLED and key in fp16 and not _is_auto(fp16[key])}
+            try:
+                conv.fp16_auto_loss_scaler = config_from_dict(LossScalerConfig, scaler, path="fp16") if scaler else None
+            except (TypeError, ValueError) as e:
+                conv.errors.append(f"{e} (from the fp16 section)")
+        # Like DeepSpeed, the scaler keys of a section that says false count for nothing.
     if bf16:
         conv.walk(bf16, _BF16, bf16_key)
     conv.check_keys(autocast, _AUTOCAST, "torch_autocast")

@@ -16,10 +16,15 @@ from lightning_ampzero.config import (
     AmpZeroConfig,
     CompileConfig,
     Fp8Config,
+    LossScalerConfig,
     OffloadConfig,
     PrecisionConfig,
     ZeroConfig,
 )
+
+
+#: Set on an optimizer the config's ``optimizer`` section built.
+_FROM_SECTION = "_ampzero_from_deepspeed_section"
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,19 @@ class ImportedDeepSpeedConfig:
     #: the section would have to be built. The message says so. (Its ``params`` were refused as
     #: "unknown keys" before the type was read: Lamb's ``max_coeff``, a new-user trial.)
     unsupported_optimizer: Optional[str] = None
+    #: ``fp16.enabled: "auto"``: the section's loss-scaler values, for a run whose precision turns out
+    #: to be fp16 (:meth:`precision_config`); None when the section sets none.
+    fp16_auto_loss_scaler: Optional[LossScalerConfig] = None
+
+    def precision_config(self, precision: str, config: PrecisionConfig) -> PrecisionConfig:
+        """``config`` for a run in ``precision``: the fp16 section's loss scaler where fp16 was "auto" and is on.
+
+        A loss scaler set on the strategy itself (not the default) wins.
+        """
+        if (self.fp16_auto_loss_scaler is None or precision not in ("16-mixed", "16-true")
+                or config.loss_scaler != LossScalerConfig()):
+            return config
+        return dataclasses.replace(config, loss_scaler=self.fp16_auto_loss_scaler)
 
     # ---- Lightning -----------------------------------------------------------------------
     def apply_to_trainer(self, trainer: Any) -> None:
@@ -155,11 +173,15 @@ class ImportedDeepSpeedConfig:
             if key.startswith("optimizer.params."):
                 # a scheduler has already set the group's lr to its first step's: its base is initial_lr
                 name = "initial_lr" if name == "lr" and "initial_lr" in group else name
-                value = f"{group[name]!r} (the optimizer's)" if name in group else "the optimizer's own default"
+                # the section built the optimizer: its "auto" took the module's lr or our default (it said
+                # "the optimizer's" before, as if the module had configured one: a trial)
+                whose = ("the optimizer's" if not getattr(optimizers[0], _FROM_SECTION, False)
+                         else "the LightningModule's lr" if key.endswith(".lr") else "the default")
+                value = f"{group[name]!r} ({whose})" if name in group else "the optimizer's own default"
             elif key.startswith("scheduler.params."):
                 value = self._auto_scheduler_value(name, schedulers, group)
             elif key.endswith(".enabled"):
-                value = f"{config.precision.precision or str(getattr(trainer, 'precision', '32-true'))!r} (the precision in use)"
+                value = self._auto_enabled(key, config.precision.precision or str(getattr(trainer, "precision", "32-true")))
             elif target == "trainer.accumulate_grad_batches":
                 value = f"{getattr(trainer, 'accumulate_grad_batches', 1)} (the Trainer's)"
             elif target == "trainer.gradient_clip_val":
@@ -175,6 +197,18 @@ class ImportedDeepSpeedConfig:
             out.append(f"{key} = {value}")
         return out
 
+    def _auto_enabled(self, key: str, precision: str) -> str:
+        """A precision section's ``enabled: "auto"``: on or off, by the precision in use."""
+        section = key.split(".", 1)[0]
+        on = {"fp16": precision.startswith("16-"), "bf16": precision.startswith("bf16-"),
+              "bfloat16": precision.startswith("bf16-"), "torch_autocast": precision.endswith("-mixed")}.get(section)
+        if on is None:
+            return f"{precision!r} (the precision in use)"
+        if not on:
+            return f"false ({precision!r} is the precision in use)"
+        scaler = " with the section's loss-scaler values" if section == "fp16" and self.fp16_auto_loss_scaler else ""
+        return f"true ({precision!r} is the precision in use{scaler})"
+
     def _auto_scheduler_value(self, name: str, schedulers: list, group: Mapping[str, Any]) -> str:
         from lightning_ampzero._deepspeed.optim import WarmupDecayLR
 
@@ -185,7 +219,11 @@ class ImportedDeepSpeedConfig:
         if name == "total_num_steps" and built is not None:
             return f"{built.total_num_steps} (the Trainer's estimated optimizer steps)"
         value = getattr(self.scheduler, name, None) if self.scheduler is not None else None
-        return f"{value!r} (the default{', no warmup' if name == 'warmup_num_steps' else ''})"
+        if name == "warmup_num_steps" and isinstance(value, int) and value < 2:
+            # not "no warmup": DeepSpeed's WarmupLR warms up over max(2, warmup_num_steps) steps (a trial)
+            return (f"{value!r} (the default; DeepSpeed warms up over at least 2 steps, so the first runs at"
+                    " warmup_min_lr)")
+        return f"{value!r} (the default)"
 
     def install_optimizers(self, module: Any) -> None:
         """Let ``module`` fall back to the ``optimizer`` / ``scheduler`` sections (idempotent).
@@ -220,14 +258,18 @@ class ImportedDeepSpeedConfig:
         """The module's own ``configure_optimizers`` result, with the ``scheduler`` section applied to its optimizer.
 
         DeepSpeed's engine takes a client optimizer ("Using client Optimizer as basic optimizer") and
-        still builds the configured LR scheduler on it ("DeepSpeed using configured LR scheduler");
-        a configured scheduler also wins over a client scheduler. So: the module's optimizer is kept
-        (the ``optimizer`` section is ignored, with a warning), and the ``scheduler`` section, when
-        present, steps it after every optimizer step.
+        builds the configured LR scheduler on it ("DeepSpeed using configured LR scheduler") unless
+        it is given a client scheduler too, which wins since DeepSpeed 0.15 (its PR 5846; before,
+        the section won: this method followed that until a trial compared it with 0.19.8). So: the
+        module's optimizer is kept (the ``optimizer`` section is ignored, with a warning), its own
+        scheduler too (the ``scheduler`` section is then ignored, with a warning), and a module
+        without a scheduler gets the section's, stepped after every optimizer step.
         """
         if self.optimizer is not None or self.unsupported_optimizer is not None:
             _warn("The LightningModule configures its own optimizer; the DeepSpeed config's optimizer section is"
-                  " ignored (as DeepSpeed ignores it for a client optimizer).")
+                  " ignored, as DeepSpeed ignores it for a client optimizer. To train with the section's optimizer"
+                  " (what Lightning's DeepSpeedStrategy and Hugging Face's Trainer do), return None from"
+                  " configure_optimizers.")
         if self.scheduler is None or self.scheduler.type is None:
             return result
         optimizer, own_scheduler = _single_optimizer(result)
@@ -236,8 +278,10 @@ class ImportedDeepSpeedConfig:
                   " (one scheduler for one optimizer) is ignored.")
             return result
         if own_scheduler is not None:
-            _warn("The DeepSpeed config's scheduler section replaces the scheduler the LightningModule configures"
-                  " (DeepSpeed uses the configured scheduler over a client one).")
+            _warn("The LightningModule configures its own LR scheduler; the DeepSpeed config's scheduler section is"
+                  " ignored, as DeepSpeed (0.15 and later) and Lightning's DeepSpeedStrategy ignore it for a client"
+                  " scheduler. Remove the module's scheduler to train with the section's.")
+            return result
         total = getattr(trainer, "estimated_stepping_batches", None) if trainer is not None else None
         # warmup_max_lr "auto": each group's own learning rate, as the client optimizer set it.
         lrs = [float(group["lr"]) for group in optimizer.param_groups]
@@ -259,6 +303,7 @@ class ImportedDeepSpeedConfig:
                 )
             opt_cfg = dataclasses.replace(opt_cfg, lr=lr)
         optimizer = build_optimizer(opt_cfg, [p for p in module.parameters() if p.requires_grad])
+        setattr(optimizer, _FROM_SECTION, True)  # for auto_values' log line
         if self.scheduler is None or self.scheduler.type is None:
             return optimizer
         total = None

@@ -324,6 +324,16 @@ def apply_activation_checkpointing(
             " occurring at least twice in a ModuleList/Sequential). Name the block classes in"
             " activation_checkpointing.modules."
         )
+    hf = [name or type(model).__name__ for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", None) is True]
+    if hf:
+        # Both wrap the same blocks (a trial: a config's activation_checkpointing section beside
+        # model.gradient_checkpointing_enable()): the results are the same, each backward recomputes more.
+        warn(
+            f"activation_checkpointing is on and so is Hugging Face's gradient checkpointing ({', '.join(hf[:3])}"
+            f"{', ...' if len(hf) > 3 else ''}: model.gradient_checkpointing_enable()): the blocks are checkpointed"
+            " twice, which gives the same results but recomputes more in each backward. Keep one:"
+            " model.gradient_checkpointing_disable(), or activation_checkpointing='none'."
+        )
     chosen = select_blocks(len(blocks), config.every_n, config.number_checkpoints)
     applied = [blocks[i][1].__dict__.get("forward") for i in chosen]
     if all(isinstance(f, _CheckpointedForward) and f.owner.config == config for f in applied):
