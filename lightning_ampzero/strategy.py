@@ -90,6 +90,7 @@ from lightning_ampzero.zero.apply import (after_manual_step, apply_zero, fsdp_mo
                                          reshard_stale, run_outside_steps_in)
 from lightning_ampzero.zero.init import ZeroInit, take_local_shards
 from lightning_ampzero.zero.recover import in_step_method
+from lightning_ampzero.zero.scalars import prepare_parameters_
 from lightning_ampzero.zero.unused import UnusedTracker, generate_in_step, layerdrop_message, layers_dropped
 from lightning_ampzero.zero.materialize import built_outside_note, materialize_meta_, move_real_tensors_
 
@@ -487,6 +488,7 @@ class AmpZeroStrategy(ParallelStrategy):
             # of the fp32 parameters and a comm hook for the reduction dtypes (precision/ddp.py).
             self.precision_plugin.setup_ddp(self.model)
         else:
+            prepare_parameters_(module)  # [Note: parameters FSDP2 refuses]: before anything reads their shapes
             shards: dict[str, Tensor] = {}
             if self.stage == 3:
                 note = built_outside_note(module)

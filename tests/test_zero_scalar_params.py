@@ -112,3 +112,60 @@ def test_a_model_with_0_dim_parameters_trains_as_ddp(stage, accumulate, clip):
         else:  # the norm and the micro-batches' sums are assembled in another order: rounding only
             assert max(abs(a - b) / abs(b) for a, b in zip(zero["losses"], ddp["losses"])) < 1e-5
             assert max(diffs.values()) < 1e-6, diffs
+
+
+# ---- the other parameters FSDP2 refuses ([Note: parameters FSDP2 refuses]) ---------------------
+def test_lazy_and_sparse_parameters_are_refused_with_what_to_do():
+    from lightning_ampzero.zero.scalars import prepare_parameters_
+
+    lazy = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"0\.weight, 0\.bias have no shape yet.*dummy batch"):
+        prepare_parameters_(lazy)
+    lazy(torch.zeros(1, 3))  # what the message says to do
+    prepare_parameters_(lazy)
+    sparse = nn.ModuleDict({"emb": nn.Embedding(10, 4, sparse=True), "bag": nn.EmbeddingBag(10, 4)})
+    with pytest.raises(ValueError, match=r"^emb: sparse=True makes sparse gradients.*sparse=False.*stage 0"):
+        prepare_parameters_(sparse)
+
+
+def _non_contiguous_body(rank, world_size, stage):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_ampzero.config import ZeroConfig
+    from lightning_ampzero.zero.apply import apply_zero
+
+    def build():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+        net.to(memory_format=torch.channels_last)  # the conv weight: not contiguous
+        net[3].weight = nn.Parameter(net[3].weight.detach().t().contiguous().t())  # a transposed layout
+        return net
+
+    out = {}
+    for system in ("ddp", "zero"):
+        net = build()
+        kept = net[3].weight
+        assert not net[0].weight.is_contiguous() and not kept.is_contiguous()
+        if system == "ddp":
+            model = DistributedDataParallel(net)
+        else:  # FSDP2 raised "does not support non-contiguous parameters" here
+            apply_zero(net, init_device_mesh("cpu", (2,)), ZeroConfig(stage=stage, reduce_bucket_size=1))
+            model = net
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        out[system] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                       for n, p in net.named_parameters()}
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_non_contiguous_parameters_train_as_under_ddp(stage):
+    for r in spawn(_non_contiguous_body, world_size=2, args=(stage,)):
+        diffs = {n: (r["zero"][n] - p).abs().max().item() for n, p in r["ddp"].items()}
+        # the other layout changes the GEMM's summation order only: rounding
+        assert max(diffs.values()) < 1e-6, diffs

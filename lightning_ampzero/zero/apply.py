@@ -39,7 +39,7 @@ from lightning_ampzero.zero.comm import (
 from lightning_ampzero.zero.buffers import buffer_broadcast_of, install_buffer_broadcast
 from lightning_ampzero.zero.groups import param_groups
 from lightning_ampzero.zero.recover import in_step_method, reset_interrupted_step, step_entry
-from lightning_ampzero.zero.scalars import average_scalar_gradients, scalar_parameters
+from lightning_ampzero.zero.scalars import average_scalar_gradients, prepare_parameters_, scalar_parameters
 from lightning_ampzero.zero.trainable import record_requires_grad, sync_requires_grad
 from lightning_ampzero.zero.units import Unit, kept_for_reuse, plan_units, region
 
@@ -192,6 +192,7 @@ def apply_zero(
         )
     mp_policy = mp_policy or MixedPrecisionPolicy()
     offload_policy = offload_policy or OffloadPolicy()  # the base class means "no offload"
+    prepare_parameters_(model)  # [Note: parameters FSDP2 refuses] in scalars.py
     scalars = scalar_parameters(model)  # [Note: 0-dim parameters] in scalars.py: replicated
     units = plan_units(model, cfg.wrap_modules, cfg.unit_size, cfg.stage)  # [Note: units below stage 3]
     module_policies = dict(module_policies or {})

@@ -78,6 +78,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -173,9 +174,12 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 def _eligible(p: Any) -> bool:
     # Plain dense parameters with a dim 0 to shard; FSDP2 cannot shard 0-dim parameters anyway,
-    # and subclass or meta parameters were built that way on purpose.
+    # and subclass or meta parameters were built that way on purpose. A lazy module's parameter
+    # (nn.LazyLinear) has no shape yet: it stays whole, and so does the tensor its first forward
+    # gives it (FSDP2 shards it later, as any parameter built outside the context; it raised on
+    # ``dim()`` here before: a trial).
     return (
-        isinstance(p, nn.Parameter) and type(p.data) is torch.Tensor and not p.is_meta
+        isinstance(p, nn.Parameter) and not is_lazy(p) and type(p.data) is torch.Tensor and not p.is_meta
         and p.layout == torch.strided and p.dim() > 0 and p.numel() > 0 and p.is_contiguous()
     )
 

@@ -1,4 +1,5 @@
-"""0-dim parameters (a learnable temperature, CLIP's ``logit_scale``): replicated, gradients averaged.
+"""0-dim parameters (a learnable temperature, CLIP's ``logit_scale``): replicated, gradients averaged;
+the other parameters FSDP2 refuses (:func:`prepare_parameters_`).
 
 [Note: 0-dim parameters]
 FSDP2 refuses to shard a 0-dim parameter (``fully_shard`` raises "doesn't support scalar
@@ -26,6 +27,50 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ampzero.process import collective_device
+
+
+def prepare_parameters_(model: nn.Module) -> None:
+    """Refuse, naming them, the parameters FSDP2 cannot shard; make non-contiguous ones contiguous.
+
+    [Note: parameters FSDP2 refuses]
+    Besides 0-dim parameters (above), three kinds stopped stages 1-3 with torch's own words (a
+    new-user trial), where DDP (stage 0) trains them:
+
+    * a lazy module's parameter never given its shape (``nn.LazyLinear`` without a first forward):
+      torch's "Attempted to use an uninitialized parameter", from inside this package. Sharding
+      needs the shape; a dummy forward before fit gives it (torch's LazyModule documentation).
+    * the sparse gradients of ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)``:
+      "Could not run 'fsdp::chunk_cat' with arguments from the 'SparseCPU' backend" and 60 lines
+      of dispatcher listing, in the first backward. FSDP2 reduce-scatters dense buffers only.
+    * a non-contiguous parameter (``nn.Parameter(w.t())``, a conv weight in ``channels_last``):
+      "FSDP does not support non-contiguous parameters yet", naming neither parameter nor remedy.
+      Its values do not depend on the layout, so it is made contiguous in place (``.data``, the
+      same Parameter object; before any optimizer holds it), and trains as DDP trains it, to the
+      rounding of a GEMM that reads the other layout (6e-8 in the trial; ``channels_last`` is then
+      lost for those weights).
+    """
+    from torch.nn.parameter import is_lazy
+
+    lazy = [n for n, p in model.named_parameters() if is_lazy(p)]
+    if lazy:
+        raise ValueError(
+            f"Parameter(s) {', '.join(lazy[:5])}{', ...' if len(lazy) > 5 else ''} have no shape yet: a lazy module"
+            " (nn.LazyLinear, nn.LazyConv2d, ...) gets it from its first forward, and ZeRO stages 1-3 shard"
+            " parameters by their shape before training starts. Run one forward on a dummy batch where the model is"
+            " built (in __init__ or configure_model()), as torch's LazyModule documentation says."
+        )
+    sparse = [n or type(m).__name__ for n, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ValueError(
+            f"{', '.join(sparse[:5])}{', ...' if len(sparse) > 5 else ''}: sparse=True makes sparse gradients,"
+            " which ZeRO stages 1-3 (FSDP2) cannot reduce-scatter: it reduces dense buffers. Use sparse=False"
+            " (with Adam/AdamW in place of SparseAdam), or stage 0 (DDP all-reduces sparse gradients)."
+        )
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
 
 
 def scalar_parameters(model: nn.Module) -> set[nn.Parameter]:

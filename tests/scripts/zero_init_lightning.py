@@ -75,7 +75,16 @@ def _forward(kind: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(torch.nn.functional.one_hot(x % 16, 16).float()).mean()
 
 
-BUILDERS = {"llama": _llama, "gpt2": _gpt2, "nn.Transformer": _torch_transformer, "demos.Transformer": _demo}
+def _lazy() -> nn.Module:
+    # A lazy layer materialized by a dummy forward, as torch's LazyModule docs say: ZeroInit raised on
+    # the shapeless parameter's dim() when it was registered (a trial). It stays whole until sharded.
+    net = nn.Sequential(nn.LazyLinear(64), nn.ReLU(), nn.Linear(64, 16))
+    net(torch.zeros(1, 16))
+    return net
+
+
+BUILDERS = {"llama": _llama, "gpt2": _gpt2, "nn.Transformer": _torch_transformer, "demos.Transformer": _demo,
+            "lazy": _lazy}
 
 
 class Case(pl.LightningModule):
@@ -201,7 +210,7 @@ def run(case: str, devices: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--cases", default="llama,gpt2,nn.Transformer,demos.Transformer,metric,metric@init,llama@mixed")
+    p.add_argument("--cases", default="llama,gpt2,nn.Transformer,demos.Transformer,lazy,metric,metric@init,llama@mixed")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--out", required=True)
     args = p.parse_args()
