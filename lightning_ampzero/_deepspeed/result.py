@@ -165,6 +165,7 @@ class ImportedDeepSpeedConfig:
         targets = dict(self.auto_targets)
         optimizers = list(getattr(trainer, "optimizers", []) or [])
         group = optimizers[0].param_groups[0] if len(optimizers) == 1 else {}
+        from_section = len(optimizers) == 1 and getattr(optimizers[0], _FROM_SECTION, False)
         schedulers = [c.scheduler for c in getattr(trainer, "lr_scheduler_configs", []) or []]
         out = []
         for key in self.auto:
@@ -175,7 +176,7 @@ class ImportedDeepSpeedConfig:
                 name = "initial_lr" if name == "lr" and "initial_lr" in group else name
                 # the section built the optimizer: its "auto" took the module's lr or our default (it said
                 # "the optimizer's" before, as if the module had configured one: a trial)
-                whose = ("the optimizer's" if not getattr(optimizers[0], _FROM_SECTION, False)
+                whose = ("the optimizer's" if not from_section
                          else "the LightningModule's lr" if key.endswith(".lr") else "the default")
                 value = f"{group[name]!r} ({whose})" if name in group else "the optimizer's own default"
             elif key.startswith("scheduler.params."):
