@@ -198,10 +198,12 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
             f"{' ' + ported if ported else _nested_home(unknown[0]) or suggest(unknown[0], set(owner))}"
             f" Arguments: config, {', '.join(sorted(set(owner) - {'zero'}))}."
         )
-    if isinstance(overrides.get("offload_optimizer"), bool):  # Lightning's DeepSpeedStrategy(offload_optimizer=True)
+    if overrides.get("offload_optimizer") is False:  # Lightning's DeepSpeedStrategy default: no offload
+        overrides = {**overrides, "offload_optimizer": "none"}
+    if overrides.get("offload_optimizer") is True:  # Lightning's DeepSpeedStrategy(offload_optimizer=True)
         from lightning_ampzero._deepspeed.lightning_keywords import lightning_keyword_hint
 
-        raise ValueError(lightning_keyword_hint("offload_optimizer", overrides["offload_optimizer"]))
+        raise ValueError(lightning_keyword_hint("offload_optimizer", True))
     top_kw, zero_kw, offload_kw = ({k: v for k, v in overrides.items() if owner[k] is section}
                                    for section in (AmpZeroConfig, ZeroConfig, OffloadConfig))
     # A nested config may be given as a mapping (e.g. the registry's init params, a Hydra node), and

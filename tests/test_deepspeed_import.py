@@ -244,7 +244,7 @@ def test_unknown_keys_fail_with_path_and_suggestion(config, expected):
         ({"scheduler": {"type": "OneCycle", "params": {}}}, "configure it in your LightningModule"),
         # with its own params: "not supported", not "misspelt keys" (a trial)
         ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}},
-         "'OneCycle' is not supported (a DeepSpeed scheduler: configure it in your LightningModule, e.g. torch.optim.lr_scheduler.CyclicLR)"),
+         "'OneCycle' is not supported (a DeepSpeed scheduler: configure it in your LightningModule, e.g. torch.optim.lr_scheduler.OneCycleLR(anneal_strategy='linear'))"),
         ({"zero_optimization": {"offload_param": {"device": "gpu"}}}, "'none', 'cpu', 'nvme'"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be a whole number >= 1"),
         ({"msamp": {"enabled": True, "opt_level": "O3"}}, "Allowed values: 'O1', 'O2'"),
@@ -674,7 +674,7 @@ def test_fp16_tutorial_configs_train_on_two_processes(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
-def test_an_auto_fp16_section_scales_as_written_when_the_run_is_fp16(precision):
+def test_an_auto_fp16_section_scales_as_written_when_the_run_is_fp16(precision, tmp_path):
     """fp16.enabled "auto" (Hugging Face's configs): its loss-scaler values were dropped under 16-mixed.
 
     A new-user trial's config (initial_scale_power 8, loss_scale_window 3, hysteresis 1) trained with
@@ -700,9 +700,18 @@ def test_an_auto_fp16_section_scales_as_written_when_the_run_is_fp16(precision):
     else:
         assert scaler == LossScalerConfig()
     imported = trainer.strategy.imported
-    said = imported._auto_enabled("fp16.enabled", precision)
+    said = imported._auto_enabled("fp16.enabled", precision, scaler)
     assert said.startswith("true" if precision == "16-mixed" else "false")
-    assert ("loss-scaler values" in said) == (precision == "16-mixed")
+    assert ("with the section's loss-scaler values" in said) == (precision == "16-mixed")
+    if precision == "16-mixed":  # a loss scaler of the strategy's own wins, and the line says so
+        said = imported._auto_enabled("fp16.enabled", precision, LossScalerConfig(initial_scale_power=10))
+        assert said.endswith("the strategy's own loss scaler wins over the section's)")
+    # ampzero-config names the values to add under 16-mixed (it printed nothing of them)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    err = subprocess.run([sys.executable, "-m", "lightning_ampzero.cli.config", "from-deepspeed", str(path)],
+                         capture_output=True, text=True, env=script_env(), timeout=120).stderr
+    assert "precision.loss_scaler.initial_scale_power=8 precision.loss_scaler.loss_scale_window=3" in err, err
     # a bad value in such a section is refused at conversion, as under "enabled": true
     with pytest.raises(DeepSpeedConfigError, match="hysteresis"):
         convert_deepspeed_config({"fp16": {"enabled": "auto", "hysteresis": 0}})

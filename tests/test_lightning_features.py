@@ -179,6 +179,7 @@ def test_every_keyword_of_lightnings_deepspeed_strategy_is_taken_or_answered():
     assert answered >= 25  # most; the rest (stage, overlap_comm, reduce_bucket_size, ...) are taken as they are
     with pytest.raises(ValueError, match=r"DeepSpeedStrategy\(offload_optimizer=True\) is offload_optimizer='cpu'"):
         AmpZeroStrategy(stage=2, offload_optimizer=True)
+    assert AmpZeroStrategy(stage=2, offload_optimizer=False).config.offload.offload_optimizer == "none"  # its default
     with pytest.raises(TypeError, match=r"is timeout_s=<seconds> here"):
         AmpZeroStrategy(timeout=60)
     assert AmpZeroStrategy(timeout_s=60).config.zero.timeout_s == 60  # what it names works

@@ -316,6 +316,7 @@ def test_strategy_stage3_starts_from_the_one_process_model(tmp_path):
         assert result["checked"] > 0, case
     assert out["metric@init"]["note"] and out["llama@mixed"]["note"], out
     assert not out["llama"]["note"]
+    assert not out["lazy"]["note"]  # a lazy layer materialized in configure_model() is not "built outside" it
     assert all(r["trained"] for r in out.values()), out
     # One process at stage 3: the same path without collectives.
     one = run_json("zero_init_lightning.py", tmp_path / "one.json", "--devices", "1", "--cases", "llama,metric",

@@ -126,6 +126,8 @@ def test_lazy_and_sparse_parameters_are_refused_with_what_to_do():
     sparse = nn.ModuleDict({"emb": nn.Embedding(10, 4, sparse=True), "bag": nn.EmbeddingBag(10, 4)})
     with pytest.raises(ValueError, match=r"^emb: sparse=True makes sparse gradients.*sparse=False.*stage 0"):
         prepare_parameters_(sparse)
+    sparse["emb"].weight.requires_grad_(False)  # frozen (a pretrained table): no gradient to reduce, accepted
+    prepare_parameters_(sparse)
 
 
 def _non_contiguous_body(rank, world_size, stage):

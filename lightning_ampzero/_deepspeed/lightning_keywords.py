@@ -55,6 +55,6 @@ def lightning_keyword_hint(name: str, value: Any = None) -> Optional[str]:
     """What to write instead of Lightning DeepSpeedStrategy's keyword ``name``, or None if it is not one."""
     if name == "offload_optimizer" and isinstance(value, bool):
         return ("offload_optimizer takes a device here: Lightning's DeepSpeedStrategy(offload_optimizer=True) is"
-                " offload_optimizer='cpu' (or 'nvme' with nvme_path=...), False is 'none'.")
+                " offload_optimizer='cpu' (or 'nvme' with nvme_path=...); False, its default, is taken as 'none'.")
     said = _INSTEAD.get(name)
     return None if said is None else f"Lightning's DeepSpeedStrategy({name}=...) {said}."

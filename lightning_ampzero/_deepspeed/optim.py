@@ -181,12 +181,19 @@ _OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch
 _SCHEDULER_PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
                      "last_batch_iteration")
 #: DeepSpeed's other schedulers, and what to configure in the module instead.
-_DS_OTHER_SCHEDULERS = {"LRRangeTest": "Lightning's Tuner(trainer).lr_find", "OneCycle": "torch.optim.lr_scheduler.CyclicLR",
-                        "WarmupCosineLR": "torch.optim.lr_scheduler.SequentialLR of LinearLR and CosineAnnealingLR"}
+_DS_OTHER_SCHEDULERS = {
+    "LRRangeTest": "Lightning's Tuner(trainer).lr_find",
+    "OneCycle": "torch.optim.lr_scheduler.OneCycleLR(anneal_strategy='linear')",
+    "WarmupCosineLR": "torch.optim.lr_scheduler.SequentialLR of LinearLR and CosineAnnealingLR",
+}
 #: What to configure in the module for one of DeepSpeed's other optimizers (the message's example).
-_OPTIMIZER_STANDINS = {"sgd": "torch.optim.SGD", "adagrad": "torch.optim.Adagrad", "musgd": "torch.optim.SGD",
-                       "cpuadam": "torch.optim.AdamW", "fusedadam": "torch.optim.AdamW", "muon": "torch.optim.Muon",
-                       "lion": "e.g. lion_pytorch.Lion", "lamb": "e.g. timm.optim.Lamb", "onebitlamb": "e.g. timm.optim.Lamb"}
+_OPTIMIZER_STANDINS = {
+    "sgd": "torch.optim.SGD", "adagrad": "torch.optim.Adagrad", "cpuadam": "torch.optim.AdamW",
+    "fusedadam": "torch.optim.AdamW", "onebitadam": "torch.optim.AdamW, without 1-bit compression",
+    "zerooneadam": "torch.optim.AdamW, without 0/1 compression", "muadam": "mup.MuAdam", "muadamw": "mup.MuAdamW",
+    "musgd": "mup.MuSGD", "muon": "torch.optim.Muon for the 2-D weights plus AdamW for the rest, as DeepSpeed does",
+    "lion": "e.g. lion_pytorch.Lion", "lamb": "e.g. timm.optim.Lamb", "onebitlamb": "e.g. timm.optim.Lamb",
+}
 
 
 def _type_and_params(conv: Any, data: dict[str, Any], section: str, known: tuple[str, ...]) -> tuple[str, Any]:

@@ -165,7 +165,11 @@ class ImportedDeepSpeedConfig:
         targets = dict(self.auto_targets)
         optimizers = list(getattr(trainer, "optimizers", []) or [])
         group = optimizers[0].param_groups[0] if len(optimizers) == 1 else {}
-        from_section = len(optimizers) == 1 and getattr(optimizers[0], _FROM_SECTION, False)
+        # (an offloaded or FP8 optimizer wraps the one the section built)
+        from_section = len(optimizers) == 1 and any(getattr(o, _FROM_SECTION, False) for o in (
+            optimizers[0], getattr(optimizers[0], "optimizer", None), getattr(optimizers[0], "_optimizer", None)))
+        plugin_config = getattr(getattr(trainer, "precision_plugin", None), "config", None)
+        scaler_used = getattr(plugin_config, "loss_scaler", None)
         schedulers = [c.scheduler for c in getattr(trainer, "lr_scheduler_configs", []) or []]
         out = []
         for key in self.auto:
@@ -182,7 +186,8 @@ class ImportedDeepSpeedConfig:
             elif key.startswith("scheduler.params."):
                 value = self._auto_scheduler_value(name, schedulers, group)
             elif key.endswith(".enabled"):
-                value = self._auto_enabled(key, config.precision.precision or str(getattr(trainer, "precision", "32-true")))
+                value = self._auto_enabled(key, config.precision.precision or str(getattr(trainer, "precision", "32-true")),
+                                           scaler_used)
             elif target == "trainer.accumulate_grad_batches":
                 value = f"{getattr(trainer, 'accumulate_grad_batches', 1)} (the Trainer's)"
             elif target == "trainer.gradient_clip_val":
@@ -198,8 +203,8 @@ class ImportedDeepSpeedConfig:
             out.append(f"{key} = {value}")
         return out
 
-    def _auto_enabled(self, key: str, precision: str) -> str:
-        """A precision section's ``enabled: "auto"``: on or off, by the precision in use."""
+    def _auto_enabled(self, key: str, precision: str, scaler_used: Optional[LossScalerConfig] = None) -> str:
+        """A precision section's ``enabled: "auto"``: on or off, by the precision in use (and whose loss scaler)."""
         section = key.split(".", 1)[0]
         on = {"fp16": precision.startswith("16-"), "bf16": precision.startswith("bf16-"),
               "bfloat16": precision.startswith("bf16-"), "torch_autocast": precision.endswith("-mixed")}.get(section)
@@ -207,7 +212,10 @@ class ImportedDeepSpeedConfig:
             return f"{precision!r} (the precision in use)"
         if not on:
             return f"false ({precision!r} is the precision in use)"
-        scaler = " with the section's loss-scaler values" if section == "fp16" and self.fp16_auto_loss_scaler else ""
+        scaler = ""
+        if section == "fp16" and self.fp16_auto_loss_scaler is not None:
+            scaler = (" with the section's loss-scaler values" if scaler_used in (None, self.fp16_auto_loss_scaler)
+                      else "; the strategy's own loss scaler wins over the section's")
         return f"true ({precision!r} is the precision in use{scaler})"
 
     def _auto_scheduler_value(self, name: str, schedulers: list, group: Mapping[str, Any]) -> str:
@@ -280,8 +288,8 @@ class ImportedDeepSpeedConfig:
             return result
         if own_scheduler is not None:
             _warn("The LightningModule configures its own LR scheduler; the DeepSpeed config's scheduler section is"
-                  " ignored, as DeepSpeed (0.15 and later) and Lightning's DeepSpeedStrategy ignore it for a client"
-                  " scheduler. Remove the module's scheduler to train with the section's.")
+                  " ignored, as DeepSpeed (0.15 and later) ignores it for a client scheduler. Remove the module's"
+                  " scheduler to train with the section's.")
             return result
         total = getattr(trainer, "estimated_stepping_batches", None) if trainer is not None else None
         # warmup_max_lr "auto": each group's own learning rate, as the client optimizer set it.

@@ -328,11 +328,13 @@ def apply_activation_checkpointing(
     if hf:
         # Both wrap the same blocks (a trial: a config's activation_checkpointing section beside
         # model.gradient_checkpointing_enable()): the results are the same, each backward recomputes more.
+        off = ("model.gradient_checkpointing_disable()" if hasattr(model, "gradient_checkpointing_disable")
+               else "the model's own switch")  # transformers' method; diffusers and others set the flag too
         warn(
-            f"activation_checkpointing is on and so is Hugging Face's gradient checkpointing ({', '.join(hf[:3])}"
-            f"{', ...' if len(hf) > 3 else ''}: model.gradient_checkpointing_enable()): the blocks are checkpointed"
-            " twice, which gives the same results but recomputes more in each backward. Keep one:"
-            " model.gradient_checkpointing_disable(), or activation_checkpointing='none'."
+            f"activation_checkpointing is on and so is the model's own gradient checkpointing ({', '.join(hf[:3])}"
+            f"{', ...' if len(hf) > 3 else ''} set gradient_checkpointing=True, as transformers'"
+            " gradient_checkpointing_enable() does): the blocks are checkpointed twice, which gives the same results"
+            f" but recomputes more in each backward. Keep one: {off}, or activation_checkpointing='none'."
         )
     chosen = select_blocks(len(blocks), config.every_n, config.number_checkpoints)
     applied = [blocks[i][1].__dict__.get("forward") for i in chosen]

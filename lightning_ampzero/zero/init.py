@@ -297,6 +297,8 @@ class ZeroInit(TorchFunctionMode):
         return None
 
     def _adopt(self, module: nn.Module, name: str, p: nn.Parameter) -> None:
+        if is_lazy(p):  # kept whole (see _eligible); marked so that no note calls it built outside the context
+            p._ampzero_lazy = True  # type: ignore[attr-defined]  (materialize() keeps the object and its __dict__)
         key = id(p)
         owners = self._owners.setdefault(key, [])
         if not any(r() is module and n == name for r, n in owners):

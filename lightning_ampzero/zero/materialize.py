@@ -31,8 +31,10 @@ def built_outside_note(module: nn.Module) -> Optional[str]:
     Such a model is sharded after the fact, as stages 0-2 do; it only cost each rank the whole
     model while it was built.
     """
-    # 0-dim parameters are built whole on purpose (nothing to shard: [Note: 0-dim parameters] in scalars.py)
-    built = [(n, p) for n, p in module.named_parameters() if not p.is_meta and p.dim() > 0]
+    # 0-dim parameters are built whole on purpose (nothing to shard: [Note: 0-dim parameters] in scalars.py),
+    # and so are lazy modules' parameters, in configure_model() too (ZeroInit marks them: zero/init.py)
+    built = [(n, p) for n, p in module.named_parameters()
+             if not p.is_meta and p.dim() > 0 and not getattr(p, "_ampzero_lazy", False)]
     if not built:
         return None
     numel = sum(p.numel() for _, p in built)

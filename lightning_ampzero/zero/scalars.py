@@ -39,7 +39,8 @@ def prepare_parameters_(model: nn.Module) -> None:
     * a lazy module's parameter never given its shape (``nn.LazyLinear`` without a first forward):
       torch's "Attempted to use an uninitialized parameter", from inside this package. Sharding
       needs the shape; a dummy forward before fit gives it (torch's LazyModule documentation).
-    * the sparse gradients of ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)``:
+    * the sparse gradients of a trainable ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)``
+      (a frozen one trains: it has no gradient to reduce):
       "Could not run 'fsdp::chunk_cat' with arguments from the 'SparseCPU' backend" and 60 lines
       of dispatcher listing, in the first backward. FSDP2 reduce-scatters dense buffers only.
     * a non-contiguous parameter (``nn.Parameter(w.t())``, a conv weight in ``channels_last``):
@@ -59,8 +60,8 @@ def prepare_parameters_(model: nn.Module) -> None:
             " parameters by their shape before training starts. Run one forward on a dummy batch where the model is"
             " built (in __init__ or configure_model()), as torch's LazyModule documentation says."
         )
-    sparse = [n or type(m).__name__ for n, m in model.named_modules()
-              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    sparse = [n or type(m).__name__ for n, m in model.named_modules()  # frozen: no gradient, nothing to reduce
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
     if sparse:
         raise ValueError(
             f"{', '.join(sparse[:5])}{', ...' if len(sparse) > 5 else ''}: sparse=True makes sparse gradients,"
