@@ -464,6 +464,9 @@ def test_another_deepspeed_optimizer_is_ignored_beside_the_modules_own_and_refus
     assert "(e.g. timm.optim.Lamb)" in r.unsupported_optimizer
     # each names what to configure instead: not Lamb for SGD (a trial)
     assert "(torch.optim.SGD)" in convert_deepspeed_config({"optimizer": {"type": "SGD"}}).unsupported_optimizer
+    # any other torch.optim class, which DeepSpeed builds by its name, as well (it was an error beside the module's)
+    rms = convert_deepspeed_config({"optimizer": {"type": "RMSprop", "params": {"alpha": 0.9}}})
+    assert rms.optimizer is None and "(torch.optim.RMSprop)" in rms.unsupported_optimizer
     with pytest.raises(DeepSpeedConfigError, match="remove the optimizer section"):
         r.hydra_values(2)
     # A name DeepSpeed does not know stays an error, with a suggestion.

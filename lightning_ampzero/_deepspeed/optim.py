@@ -210,13 +210,20 @@ def convert_optimizer(conv: Any, opt: dict[str, Any]) -> None:
     conv.check_keys(opt, ("type", "params"), "optimizer")
     name = str(opt.get("type", ""))
     kind = _OPTIMIZER_NAMES.get(name.lower())
-    if kind is None and name.lower() in _DS_OTHER_OPTIMIZERS:
+    # DeepSpeed also builds any other torch.optim class by its name (RMSprop, ...): refused as unknown
+    # here even beside the module's own optimizer before (a review of a trial's fixes).
+    import torch
+
+    torch_class = getattr(torch.optim, name, None) if name and not name.startswith("_") else None
+    in_torch = (isinstance(torch_class, type) and issubclass(torch_class, torch.optim.Optimizer)
+                and torch_class is not torch.optim.Optimizer)
+    if kind is None and (name.lower() in _DS_OTHER_OPTIMIZERS or in_torch):
         # Another of DeepSpeed's optimizers (Lamb, OneBitAdam, ...), its params its own: needed only
         # when the module configures no optimizer ([Note: a DeepSpeed optimizer we do not build]).
+        standin = _OPTIMIZER_STANDINS.get(name.lower(), f"torch.optim.{name}" if in_torch else "its own implementation")
         conv.unsupported_optimizer = (
             f"optimizer.type={name!r} (a DeepSpeed optimizer) is not built here: only 'Adam' and 'AdamW' are."
-            f" Configure it in the LightningModule's configure_optimizers()"
-            f" ({_OPTIMIZER_STANDINS.get(name.lower(), 'its own implementation')}), and the"
+            f" Configure it in the LightningModule's configure_optimizers() ({standin}), and the"
             " config's optimizer section is ignored, as DeepSpeed ignores it for a client optimizer.")
         return
     if kind is None:
