@@ -204,6 +204,12 @@ class LossScalerConfig(FromDict, section="loss_scaler"):
     def dynamic(self) -> bool:
         return self.loss_scale == 0
 
+    def non_default(self) -> dict[str, object]:
+        """The fields whose value is not the default, by name (for messages that say what was set)."""
+        default = LossScalerConfig()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
 
 @dataclass(frozen=True)
 class PrecisionConfig(FromDict, section="precision"):
@@ -263,8 +269,7 @@ class PrecisionConfig(FromDict, section="precision"):
         """
         fp16 = precision in ("16-mixed", "16-true")
         if not fp16 and self.loss_scaler != LossScalerConfig():
-            changed = [f"{f.name}={getattr(self.loss_scaler, f.name)!r}" for f in dataclasses.fields(LossScalerConfig)
-                       if getattr(self.loss_scaler, f.name) != getattr(LossScalerConfig(), f.name)]
+            changed = [f"{name}={value!r}" for name, value in self.loss_scaler.non_default().items()]
             raise ValueError(
                 f"precision.loss_scaler is configured ({', '.join(changed)}) but precision={precision!r} does not"
                 " scale the loss: only '16-mixed' and '16-true' (float16) do. bf16 has fp32's range and needs no"

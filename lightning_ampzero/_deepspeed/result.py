@@ -165,9 +165,9 @@ class ImportedDeepSpeedConfig:
         targets = dict(self.auto_targets)
         optimizers = list(getattr(trainer, "optimizers", []) or [])
         group = optimizers[0].param_groups[0] if len(optimizers) == 1 else {}
-        # (an offloaded or FP8 optimizer wraps the one the section built)
-        from_section = len(optimizers) == 1 and any(getattr(o, _FROM_SECTION, False) for o in (
-            optimizers[0], getattr(optimizers[0], "optimizer", None), getattr(optimizers[0], "_optimizer", None)))
+        # (offload's OffloadedAdam wraps the optimizer the section built as its ``optimizer``)
+        from_section = len(optimizers) == 1 and any(getattr(o, _FROM_SECTION, False)
+                                                    for o in (optimizers[0], getattr(optimizers[0], "optimizer", None)))
         plugin_config = getattr(getattr(trainer, "precision_plugin", None), "config", None)
         scaler_used = getattr(plugin_config, "loss_scaler", None)
         schedulers = [c.scheduler for c in getattr(trainer, "lr_scheduler_configs", []) or []]

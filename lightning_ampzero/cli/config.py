@@ -14,7 +14,6 @@ checkpointing and FP8 (``msamp``) as their groups (``activation_checkpointing=fu
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
 import warnings
@@ -67,11 +66,8 @@ def _from_deepspeed(args: argparse.Namespace) -> int:
               " AmpZeroStrategy(config=...) in a script, the Trainer's, DataLoader's or LightningModule's own"
               " settings (an optimizer's lr: the module's)", file=sys.stderr)
     scaler = imported.fp16_auto_loss_scaler
-    if scaler is not None:
-        from lightning_ampzero.config import LossScalerConfig
-  # fp16 "auto": the section's scaler applies only under an fp16 precision
-        changed = [f"precision.loss_scaler.{f.name}={getattr(scaler, f.name)}" for f in dataclasses.fields(scaler)
-                   if getattr(scaler, f.name) != getattr(LossScalerConfig(), f.name)]
+    if scaler is not None:  # fp16 "auto": the section's scaler applies only under an fp16 precision
+        changed = [f"precision.loss_scaler.{name}={value}" for name, value in scaler.non_default().items()]
         print("ampzero-config: note: fp16.enabled is \"auto\": with precision=16-mixed (or 16-true) add"
               f" {' '.join(changed) or 'nothing (its values are the defaults)'} for the section's loss scaler",
               file=sys.stderr)
