@@ -187,6 +187,7 @@ def run_cpu(args: argparse.Namespace) -> list[Path]:
     numel = next((e["numel"] for e in result["configs"].values() if "numel" in e), 0)
     result.update({
         "suite": suite.name, "workload": rep_results[0]["meta"]["workload"], "numel": numel,
+        "host_memory_set": rep_results[0]["meta"].get("host_memory_set"),
         "repetitions": reps, "environment": env_info, "skipped_without_deepspeed": skipped,
         "wall_s": time.perf_counter() - start, "notes": NOTES, "exit_warnings": exit_warnings,
         "command": " ".join(["python benchmarks/run.py", *map(shlex.quote, args.argv)]),

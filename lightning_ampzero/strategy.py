@@ -78,6 +78,7 @@ from lightning_ampzero.offload import setup as offload_setup
 from lightning_ampzero.offload.optimizer import is_offloaded
 from lightning_ampzero.offload.params import after_checkpoint
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
+from lightning_ampzero.host_memory import keep_freed_host_memory
 from lightning_ampzero.process import release_process_groups
 from lightning_ampzero.torch_compile import apply_compile
 from lightning_ampzero.hf import load_pending_pretrained
@@ -412,6 +413,8 @@ class AmpZeroStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.config.zero.timeout_s)}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        # Before the first step's allocations: [Note: page faults per step] in host_memory.py.
+        keep_freed_host_memory(self.config.zero.host_memory_cache_mb)
         created = not torch.distributed.is_initialized()
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         if created:

@@ -56,6 +56,9 @@ class Workload:
     allgather_bucket_size: float = 5e8
     prefetch_bucket_size: float = 5e7
     param_persistence_threshold: float = 0
+    # ampzero's default; set in every worker for every system, since they share the processes
+    # (benchmarks/suite/worker.py). 0 runs all of them with glibc's defaults.
+    host_memory_cache_mb: int = 1024
 
     @property
     def global_batch(self) -> int:

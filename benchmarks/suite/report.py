@@ -332,6 +332,14 @@ def _f(x: float, nd: int = 2) -> str:
     return f"{x:.{nd}f}"
 
 
+def _allocator_line(result: dict) -> str:
+    mb = result["workload"].get("host_memory_cache_mb")  # absent before the setting existed
+    if not mb or result.get("host_memory_set") is False:  # False: not glibc
+        return "- Host allocator: the C library's defaults for every system."
+    return (f"- Host allocator: glibc malloc keeps up to {mb} MiB of freed memory, set for every system"
+            " (ampzero's `host_memory_cache_mb`; the systems share the worker processes).")
+
+
 def markdown(result: dict) -> str:
     env, suite, w = result["environment"], result["suite"], result["workload"]
     v, m = env["versions"], env["machine"]
@@ -351,6 +359,7 @@ def markdown(result: dict) -> str:
         f" {w['micro_batch'] * w['accumulate'] * w['world']} sequences; AdamW; {w['warmup']} warm-up +"
         f" {w['steps']} timed steps + 1 profiled step per configuration; {result['repetitions']} repetitions"
         " (one launch each, configurations interleaved, order rotated per repetition).",
+        _allocator_line(result),
         "",
         "## Targets",
         "",

@@ -213,7 +213,7 @@ def run_lightning(cfg: BenchConfig, w: Workload, meter: Meter, rank: int) -> dic
         strategy: Any = AmpZeroStrategy(
             stage=cfg.stage, reduce_bucket_size=w.reduce_bucket_size, allgather_bucket_size=w.allgather_bucket_size,
             prefetch_bucket_size=w.prefetch_bucket_size, param_persistence_threshold=w.param_persistence_threshold,
-            **kw)
+            host_memory_cache_mb=w.host_memory_cache_mb, **kw)
     else:
         strategy = "ddp"
     holder: dict[str, Any] = {}

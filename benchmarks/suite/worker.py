@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_ampzero.host_memory import keep_freed_host_memory
+
 from .comm import parse_trace
 from .configs import SUITES, BenchConfig, Workload
 from .meter import Meter, release_free_memory, status_kib
@@ -92,11 +94,16 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     _quiet()
+    # Every system of a repetition runs in these processes, and ampzero's strategy sets glibc's
+    # malloc to keep freed memory ([Note: page faults per step] in lightning_ampzero/host_memory.py),
+    # a setting that outlives it and cannot be undone: set it for all systems from the start, so
+    # that each one runs with the same allocator and the ratios measure the systems.
+    overrides = json.loads(args.workload) if args.workload else {}
+    cache_mb = overrides.get("host_memory_cache_mb", SUITES[args.suite]().workload.host_memory_cache_mb)
+    host_memory = keep_freed_host_memory(cache_mb)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
-    w = SUITES[args.suite]().workload
-    overrides = json.loads(args.workload) if args.workload else {}
-    w = Workload(**{**w.as_dict(), **overrides, "world": world})
+    w = Workload(**{**SUITES[args.suite]().workload.as_dict(), **overrides, "world": world})
     have_deepspeed = deepspeed_available()  # imported by every config's process alike (RSS baseline)
     _quiet()
     records = []
@@ -133,7 +140,7 @@ def main() -> None:
     if rank == 0:
         meta = {"suite": args.suite, "workload": w.as_dict(), "rep": args.rep, "world": world,
                 "threads": torch.get_num_threads(), "rss_after_imports": status_kib("VmRSS") * 1024,
-                "gemm_peak_flops": gemm_peak}
+                "gemm_peak_flops": gemm_peak, "host_memory_set": host_memory}
         Path(args.out).write_text(json.dumps({"meta": meta, "records": records}))
     dist.barrier()
     dist.destroy_process_group()
