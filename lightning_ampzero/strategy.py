@@ -81,7 +81,7 @@ from lightning_ampzero.precision.plugin import AmpZeroPrecision
 from lightning_ampzero.host_memory import keep_freed_host_memory
 from lightning_ampzero.process import release_process_groups
 from lightning_ampzero.torch_compile import apply_compile
-from lightning_ampzero.hf import load_pending_pretrained
+from lightning_ampzero.hf import load_pending_pretrained, refuse_own_save_pretrained
 from lightning_ampzero.sigterm import AsyncSigtermBroadcast
 from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
 from lightning_ampzero.zero.averaged import (averaged_targets, pop_averaged_states, restore_averaged_states,
@@ -519,6 +519,7 @@ class AmpZeroStrategy(ParallelStrategy):
             self._unused = UnusedTracker(mesh.get_group() if mesh.ndim == 1 else None)
             self._unused.install(module)
             generate_in_step(module)  # [Note: generate() on some ranks] in zero/unused.py
+            refuse_own_save_pretrained(module, self.stage)  # [Note: save_pretrained of a sharded model] in hf/export.py
             shard_averaged_copies(trainer.callbacks, module)  # [Note: an averaged copy of a sharded model]
             if trainer.state.fn == TrainerFn.FITTING and (dropping := layers_dropped(module)):
                 rank_zero_warn(layerdrop_message(dropping, self.stage))  # [Note: layers dropped on some ranks]

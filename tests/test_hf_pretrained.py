@@ -337,6 +337,13 @@ def _lightning_roundtrip(ckpts, tmp_path, stage: int, kind: str = "sharded") -> 
                    "--work-dir", str(tmp_path), "--stage", str(stage), "--steps", "10",
                    env={"OMP_NUM_THREADS": "1"}, timeout=300)
     assert out["loaded_exact"] == [True, True]
+    if stage == 0:  # DDP: whole parameters on every rank, transformers' own save_pretrained works
+        assert out["own_save_pretrained"] == ["wrote", "wrote"], out["own_save_pretrained"]
+    else:  # sharded: it says what to call instead of failing inside torch
+        for message in out["own_save_pretrained"]:
+            assert message.startswith("RuntimeError: LlamaForCausalLM.save_pretrained() cannot write this model")
+            assert f"ZeRO stage {stage}" in message
+            assert "lightning_ampzero.hf.save_pretrained(model, out_dir)" in message
     total = sum(v.numel() * v.element_size() for v in _file_state(ckpts[kind]).values())
     for load in out["load"]:
         if not load:
@@ -418,18 +425,25 @@ def _lora_saved_at_stage(rank: int, world: int, root: str, stage: int) -> dict:
     torch.manual_seed(0)
     model = get_peft_model(transformers.LlamaForCausalLM(_config()), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     apply_zero(model, init_device_mesh("cpu", (world,)), ZeroConfig(stage=stage, reduce_bucket_size=2e4))
+    hf.refuse_own_save_pretrained(model, stage)  # as the strategy does: the export below must still write
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     x = torch.randint(0, 131, (2, 8), generator=torch.Generator().manual_seed(rank))
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
     trained = {n: p.full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad}
     paths = hf.save_pretrained(model, Path(root) / "adapter")
+    try:
+        model.save_pretrained(Path(root) / f"own_{rank}")  # peft's own: [Note: save_pretrained of a sharded model]
+        own = "wrote"
+    except RuntimeError as e:
+        own = str(e)
     if rank != 0:
-        return {"paths": paths}
+        return {"paths": paths, "own": own}
     torch.manual_seed(0)
     reloaded = PeftModel.from_pretrained(transformers.LlamaForCausalLM(_config()), str(Path(root) / "adapter"))
     got = dict(reloaded.named_parameters())
-    return {"paths": [p.name for p in paths], "diff": max((got[n] - t).abs().max().item() for n, t in trained.items()),
+    return {"paths": [p.name for p in paths], "own": own,
+            "diff": max((got[n] - t).abs().max().item() for n, t in trained.items()),
             "moved": max((t - got_init).abs().max().item() for t, got_init in zip(
                 trained.values(), [dict(get_peft_model(transformers.LlamaForCausalLM(_config()),
                                    LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).named_parameters())[n]
@@ -441,6 +455,8 @@ def test_save_pretrained_writes_a_sharded_peft_models_adapters_as_peft_does(tmp_
     # [Note: adapters of a sharded peft model]: peft's own save_pretrained stopped on the shards.
     pytest.importorskip("peft")
     zero, other = spawn(_lora_saved_at_stage, world_size=2, args=(str(tmp_path), stage), timeout=300)
-    assert other == {"paths": []}
+    assert other["paths"] == []
+    for own in (zero["own"], other["own"]):
+        assert own.startswith("PeftModel.save_pretrained() cannot write this model"), own
     assert "adapter_model.safetensors" in zero["paths"] and "adapter_config.json" in zero["paths"]
     assert zero["diff"] == 0.0 and zero["moved"] > 0  # the trained adapters, not the initial ones

@@ -12,7 +12,7 @@ and from a sharded checkpoint: ``ampzero-consolidate CKPT OUT --hf-config path/t
 See docs/bring_your_own_model.md. transformers is an optional dependency, imported on use.
 """
 
-from lightning_ampzero.hf.export import export_checkpoint, export_plan, save_pretrained
+from lightning_ampzero.hf.export import export_checkpoint, export_plan, refuse_own_save_pretrained, save_pretrained
 from lightning_ampzero.hf.load import (
     LoadStats,
     PretrainedSource,

@@ -15,6 +15,7 @@ Both reuse the streaming safetensors writer of checkpoint/consolidate.py
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import shutil
 import sys
@@ -29,6 +30,7 @@ from lightning_ampzero.hf.files import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAM
 from lightning_ampzero.hf.keys import (
     find_pretrained_model,
     group_by_tensor,
+    is_pretrained_model,
     matches_any,
     model_to_checkpoint,
     state_tensors,
@@ -177,6 +179,40 @@ def save_pretrained(
     if distributed:
         dist.barrier()  # the directory is complete on every rank's return
     return paths
+
+
+# [Note: save_pretrained of a sharded model]
+# At stages 1-3 a transformers (or peft) model's parameters are DTensors holding this rank's shard.
+# Its own ``save_pretrained()`` reads them as whole tensors: measured (a new-user trial, GPT-2 at
+# stage 3, transformers 5), called on rank 0 alone it stopped in a DTensor redistribution that
+# waited for the other ranks (gloo's "Connection closed by peer" once they had exited), and called
+# on every rank it failed with torch's "invalid python storage", leaving a directory without
+# weights; neither names what to use. Each such model's ``save_pretrained`` is replaced, on the
+# instance, by one that says it: :func:`save_pretrained` above, or consolidating a checkpoint.
+# A call given ``state_dict=`` (full tensors the caller gathered) reads no parameter, and goes
+# through: that is how :func:`_save_adapters` writes a peft model's adapters.
+def refuse_own_save_pretrained(module: nn.Module, stage: int) -> None:
+    """Make the ``save_pretrained`` of each transformers/peft model in ``module`` say what to call instead."""
+    peft = sys.modules.get("peft")
+    for m in module.modules():
+        if is_pretrained_model(m) or (peft is not None and isinstance(m, peft.PeftModel)):
+            # A partial of a module-level function: the model stays picklable and deep-copyable.
+            m.__dict__["save_pretrained"] = functools.partial(_sharded_save_pretrained, m, stage)
+
+
+def _sharded_save_pretrained(model: nn.Module, stage: int, *args: Any, **kwargs: Any) -> Any:
+    if kwargs.get("state_dict") is not None or len(args) >= 3:  # (save_directory, is_main_process, state_dict)
+        return type(model).save_pretrained(model, *args, **kwargs)
+    # The model's own class: fully_shard() made its class a subclass named FSDP<name>.
+    name = next(c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed.")).__name__
+    raise RuntimeError(
+        f"{name}.save_pretrained() cannot write this model: at ZeRO stage {stage} its parameters are sharded"
+        " across the ranks, and it would read only this rank's pieces. Call"
+        " `lightning_ampzero.hf.save_pretrained(model, out_dir)` on every rank instead (rank 0 writes the files"
+        f" {name}.save_pretrained writes, which from_pretrained loads), e.g. after trainer.fit() or in a"
+        " callback's on_train_end; or save a checkpoint and run `ampzero-consolidate CKPT OUT --hf-config DIR`."
+        " (docs/bring_your_own_model.md)"
+    )
 
 
 def _peft_model(module: nn.Module) -> Optional[nn.Module]:

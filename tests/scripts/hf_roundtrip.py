@@ -111,6 +111,13 @@ def main() -> None:
     trainer.fit(module, DataLoader(data, batch_size=1))
 
     hf.save_pretrained(module.model, work / "export", max_shard_size="40KB")
+    # What a transformers user calls first: its own save_pretrained, on every rank
+    # ([Note: save_pretrained of a sharded model] in lightning_ampzero/hf/export.py).
+    try:
+        module.model.save_pretrained(work / f"own_{dist.get_rank()}")
+        own = "wrote"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        own = f"{type(e).__name__}: {e}"
     trained = {n: _full(t).detach().cpu().clone() for n, t in module.model.state_dict().items()}
     losses = torch.tensor(module.losses, dtype=torch.float64)
     dist.all_reduce(losses)
@@ -118,10 +125,13 @@ def main() -> None:
     dist.all_gather_object(exact, module.loaded_exact)
     load = [None] * dist.get_world_size()
     dist.all_gather_object(load, trainer.strategy.load)
+    owns = [None] * dist.get_world_size()
+    dist.all_gather_object(owns, own)
     if dist.get_rank() == 0:
         torch.save(trained, work / "trained.pt")
         Path(args.out).write_text(json.dumps({
             "losses": (losses / dist.get_world_size()).tolist(), "loaded_exact": exact, "load": load,
+            "own_save_pretrained": owns,
             "ckpt": str(next((work / "ckpt").glob("*.ckpt"))),
         }))
 
