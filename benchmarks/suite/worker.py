@@ -17,6 +17,7 @@ Usage (run.py does this)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -99,11 +100,11 @@ def main() -> None:
     # a setting that outlives it and cannot be undone: set it for all systems from the start, so
     # that each one runs with the same allocator and the ratios measure the systems.
     overrides = json.loads(args.workload) if args.workload else {}
-    cache_mb = overrides.get("host_memory_cache_mb", SUITES[args.suite]().workload.host_memory_cache_mb)
-    host_memory = keep_freed_host_memory(cache_mb)
+    w = Workload(**{**SUITES[args.suite]().workload.as_dict(), **overrides})
+    host_memory = keep_freed_host_memory(w.host_memory_cache_mb)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
-    w = Workload(**{**SUITES[args.suite]().workload.as_dict(), **overrides, "world": world})
+    w = dataclasses.replace(w, world=world)
     have_deepspeed = deepspeed_available()  # imported by every config's process alike (RSS baseline)
     _quiet()
     records = []
