@@ -71,6 +71,7 @@ from lightning_ampzero.config import (
     CompileConfig,
     OffloadConfig,
     ZeroConfig,
+    stage0_bucket_mb,
 )
 from lightning_ampzero.fp8 import convert_to_fp8, fp8_optimizers
 from lightning_ampzero.fp8.convert import fp8_device_note
@@ -572,7 +573,7 @@ class AmpZeroStrategy(ParallelStrategy):
     def _wrap_ddp(self, module: torch.nn.Module, init_sync: bool = True) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
-        bucket_mb = self.config.zero.reduce_bucket_size * 4 / 2**20  # elements of fp32 gradients
+        bucket_mb = stage0_bucket_mb(self.config.zero.reduce_bucket_size)
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         # Manual optimization often backpropagates through part of the model at a time (a GAN's
         # two optimizers), as FSDP2 at stages 1-3 and DeepSpeed's stage 0 allow: DDP must look for

@@ -196,3 +196,25 @@ def test_the_note_on_units_merged_by_a_shared_parameter_names_the_parameter():
     assert ["0", "2"] in [u.names for u in units]  # the blocks are the inner Sequentials
     (message,) = [str(w.message) for w in caught]
     assert message.startswith("0.0.weight and 2.2.weight are one parameter, so the units holding them (0, 2)")
+
+
+def test_stage0_keeps_ddps_bucket_at_the_default_and_takes_a_set_one():
+    # The default (5e8 elements, for stage 1-2 units) made one DDP bucket of any model: no all-reduce
+    # started before backward ended ([stage0_bucket_mb] in config.py).
+    caps = spawn(_ddp_bucket_caps, world_size=1)[0]
+    assert caps == {"default": 25 * 2**20, "set": int(1e6 * 4)}
+
+
+def _ddp_bucket_caps(rank, world_size):
+    import lightning.pytorch as pl
+
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    caps = {}
+    for name, kw in (("default", {}), ("set", {"reduce_bucket_size": 1e6})):
+        module = pl.LightningModule()
+        module.layer = nn.Linear(2, 2)
+        strategy = AmpZeroStrategy(stage=0, parallel_devices=[torch.device("cpu")], **kw)
+        strategy._lightning_module = module
+        caps[name] = strategy._wrap_ddp(module).bucket_bytes_cap
+    return caps
