@@ -8,8 +8,10 @@ and glibc's defaults hand a large freed block back to the kernel (``munmap``, or
 top of the heap past 2x the dynamic mmap threshold), so the next step takes a fresh page fault,
 and the kernel zeroes the page, for every 4 KiB it touches again. Measured on the benchmark GPT
 (4 x 256, batch 4 x 128, one process, one thread, torch 2.13, glibc 2.36): 3,100-3,200 minor
-faults a step and 61-63 ms in bf16-mixed, against 0-20 faults and 53 ms with the two settings
-below (fp32: 1,300-1,500 faults, 118-120 ms against 116-118 ms).
+faults a step and 61-63 ms in bf16-mixed, against 0-20 faults and 53 ms with the trim threshold
+below and the mmap threshold raised to 32 MiB, the first setting of this module (fp32: 1,300-1,500
+faults, 118-120 ms against 116-118 ms); on that model every block is under 32 MiB, so it gets the
+same from the two settings below.
 
 Two ``mallopt`` settings:
 
@@ -24,16 +26,21 @@ Two ``mallopt`` settings:
   stage 3 1464 -> 650-890 ms, peak resident memory +14% and +33-40% (benchmarks/README.md). Without
   mappings every block comes from a heap, where a freed block is reused by the next request that
   fits; glibc before 2.38 reuses PyTorch's 64-byte-aligned large blocks only once a few steps have
-  laid them out, and keeps more of them resident meanwhile (a synthetic 4 x 64 MiB pattern
-  settled at 1.2 GiB resident: tests/test_host_memory.py).
+  laid them out, and keeps more of them resident meanwhile (the large-block pattern of
+  tests/test_host_memory.py, 4 blocks of 64 MiB allocated and freed per round: no fault from the
+  fifth round on, and 1.2 GiB resident against 0.2 GiB with glibc's defaults).
 * ``M_TRIM_THRESHOLD`` = ``cache_mb``: free memory at the top of a heap is kept up to this much
   instead of being returned to the kernel after each step's peak (glibc's default trims past
   128 KiB, or twice the dynamic threshold: up to 64 MiB).
 
 The cost is resident memory: after a peak a process keeps up to ``cache_mb`` of freed memory at
 the top of each heap (arena), and any freed block below a live one (as before for blocks under
-the threshold), as a caching GPU allocator does. ``cache_mb=0`` leaves glibc's defaults.
-Other C libraries (musl, macOS, Windows) are left alone.
+the threshold), as a caching GPU allocator does. ``cache_mb=0`` leaves glibc's defaults. Under
+ZeRO-Infinity (parameters on NVMe), where the point is to hold less than the model in memory, the
+strategy keeps blocks over 32 MiB mapped (``M_MMAP_THRESHOLD`` = 32 MiB, glibc's ceiling, instead
+of ``M_MMAP_MAX`` = 0: either one turns glibc's dynamic thresholds off, and the threshold alone would
+leave every block over 128 KiB mapped): its gathered units are returned to the kernel after use,
+page faults and all (docs/offload.md). Other C libraries (musl, macOS, Windows) are left alone.
 """
 
 from __future__ import annotations
@@ -47,7 +54,10 @@ log = logging.getLogger(__name__)
 
 #: glibc's malloc.h parameter numbers.
 _M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
+#: The ceiling of glibc's dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX), the most it accepts.
+MMAP_THRESHOLD_BYTES = 32 << 20
 #: mallopt takes a C int.
 MAX_CACHE_MB = (2**31 - 1) >> 20
 
@@ -61,9 +71,12 @@ def _glibc() -> "ctypes.CDLL | None":
         return None
 
 
-def keep_freed_host_memory(cache_mb: int) -> bool:
+def keep_freed_host_memory(cache_mb: int, *, map_large_blocks: bool = False) -> bool:
     """Set this process's glibc malloc to keep up to ``cache_mb`` MiB of freed memory for reuse.
 
+    ``map_large_blocks``: blocks over 32 MiB keep mappings of their own (the mmap threshold raised to
+    that ceiling instead of ``M_MMAP_MAX=0``), where resident memory matters more than their page
+    faults: the strategy asks for it under ZeRO-Infinity (``offload_param='nvme'``).
     Returns whether the settings took (False: ``cache_mb`` is 0, or the C library is not glibc).
     Process-wide and lasting; see [Note: page faults per step].
     """
@@ -72,7 +85,10 @@ def keep_freed_host_memory(cache_mb: int) -> bool:
     libc = _glibc() if cache_mb else None
     if libc is None:
         return False
-    ok = libc.mallopt(_M_MMAP_MAX, 0) == 1
+    if map_large_blocks:
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    else:
+        ok = libc.mallopt(_M_MMAP_MAX, 0) == 1
     ok = ok and libc.mallopt(_M_TRIM_THRESHOLD, int(cache_mb) << 20) == 1
     if not ok:  # pragma: no cover - glibc accepts both values
         log.warning("mallopt refused the host-memory settings; glibc's defaults stay.")

@@ -415,7 +415,8 @@ class AmpZeroStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         # Before the first step's allocations: [Note: page faults per step] in host_memory.py.
-        keep_freed_host_memory(self.config.zero.host_memory_cache_mb)
+        keep_freed_host_memory(self.config.zero.host_memory_cache_mb,
+                               map_large_blocks=self.config.offload.offload_param == "nvme")
         created = not torch.distributed.is_initialized()
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         if created:

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or platform
 # A step's pattern: blocks alive at once (256 MiB at the peak, past glibc's largest dynamic trim
 # threshold, 64 MiB), all freed at the end, three times: 64 of 4 MiB (activations), or 4 of
 # 64 MiB (a large model's gather and gradient buffers: past the largest mmap threshold glibc
-# accepts, 32 MiB). Returns the minor page faults of two rounds (after warm-up ones), and the settings' result.
+# accepts, 32 MiB). Returns the minor page faults of two rounds (after warm-up ones), and the
+# settings' result.
 _ROUNDS = r"""
 import json, resource, sys, torch
 {setup}
@@ -62,9 +63,8 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again(blocks: tuple[int, i
     assert default["faults"] > touched_pages // 2, default
     assert off == {"faults": off["faults"], "set": False} and off["faults"] > touched_pages // 2, off
     # Measured (glibc 2.36): 131,000 faults by default for either block size; kept, 5,100 (heap
-    # bookkeeping pages) and 0. With
-    # only the mmap threshold raised to its 32 MiB ceiling (the setting before M_MMAP_MAX), the 64 MiB
-    # blocks still took 131,000 (each one mapped and unmapped).
+    # bookkeeping pages) and 0. With only the mmap threshold raised to its 32 MiB ceiling (the
+    # setting before M_MMAP_MAX) the 64 MiB blocks still took 131,000 (each one mapped and unmapped).
     assert kept["set"] is True and kept["faults"] < touched_pages // 10, (kept, default)
 
 
@@ -82,6 +82,30 @@ result = {mb}
     touched_pages = 2 * 64 * (4 << 20) // 4096
     assert _faults(fit.format(mb=1024))["faults"] < touched_pages // 10
     assert _faults(fit.format(mb=0))["faults"] > touched_pages // 2
+    assert _faults(fit.format(mb=1024), _LARGE)["faults"] < touched_pages // 10
+
+
+def test_large_blocks_stay_mapped_where_asked_and_under_zero_infinity(tmp_path) -> None:
+    # Parameters on NVMe: resident memory is the point, so blocks over 32 MiB are returned after use
+    # (and faulted in again), small ones are still kept.
+    touched_pages = 2 * 64 * (4 << 20) // 4096
+    direct = ("from lightning_ampzero.host_memory import keep_freed_host_memory\n"
+              "result = keep_freed_host_memory(1024, map_large_blocks=True)")
+    assert _faults(direct, _LARGE)["faults"] > touched_pages // 2
+    assert _faults(direct, _SMALL)["faults"] < touched_pages // 10
+    fit = f"""
+import lightning as L, torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning_ampzero.strategy import AmpZeroStrategy
+class Model(BoringModel):  # the host optimizer runs Adam/AdamW
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+strategy = AmpZeroStrategy(stage=3, offload_param="nvme", offload_optimizer="nvme", nvme_path={str(tmp_path)!r})
+L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+          enable_progress_bar=False, enable_model_summary=False).fit(Model())
+result = True
+"""
+    assert _faults(fit, _LARGE)["faults"] > touched_pages // 2
 
 
 def test_out_of_range_values_are_refused() -> None:
