@@ -49,6 +49,7 @@ from lightning_ampzero.precision.policy import (
 from lightning_ampzero.precision.scaler import DynamicLossScaler, create_loss_scaler
 from lightning_ampzero.precision.schedulers import SkipAwareScheduler
 from lightning_ampzero.zero.clip import clip_grad_norm_, clip_grad_value_
+from lightning_ampzero.zero.local_step import on_local_shards, steps_on_local_shards
 
 #: Keys logged every optimizer step when the scaler can skip steps.
 LOSS_SCALE_KEY = "loss_scale"
@@ -259,7 +260,15 @@ class AmpZeroPrecision(Precision):
     ) -> Any:
         if not self.scaler.checks_overflow:
             # bf16 / fp32 without the overflow check: nothing to unscale or decide.
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            if not steps_on_local_shards(optimizer):
+                return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            # What torch's step does with a closure (run it with grad on, then step), split in two so that
+            # the step can run on the local shards ([Note: the optimizer step on local shards]).
+            with torch.enable_grad():
+                closure_result = self._wrap_closure(model, optimizer, closure)
+            with on_local_shards(optimizer):
+                optimizer.step(**kwargs)
+            return closure_result
         if isinstance(optimizer, LBFGS):
             raise TypeError(
                 f"precision={self.precision!r} with loss scaling or check_grad_overflow cannot drive LBFGS (it"
@@ -272,7 +281,8 @@ class AmpZeroPrecision(Precision):
         self.scaler.unscale_(optimizer)
         self._after_closure(model, optimizer)
         scale_before = self.scaler.get_scale()
-        result = self.scaler.step(optimizer, **kwargs)
+        with on_local_shards(optimizer):
+            result = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         self._log_scaler(model)
         if self.scaler.last_step_skipped:
