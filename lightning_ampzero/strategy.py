@@ -516,6 +516,7 @@ class AmpZeroStrategy(ParallelStrategy):
             mp_policy, module_policies = self.precision_plugin.fsdp_policies(module, self.stage)
             self.units = apply_zero(module, self.device_mesh, self.config.zero, mp_policy,
                                     module_policies=module_policies, offload_policy=offload_policy)
+            self.activation_checkpointing.after_sharding(module)  # [Note: sharding hooks inside a selectively checkpointed block]
             # [Note: parameters unused on some ranks] in zero/unused.py
             mesh = self.device_mesh
             self._unused = UnusedTracker(mesh.get_group() if mesh.ndim == 1 else None)

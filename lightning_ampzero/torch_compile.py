@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lightning_ampzero.activation.apply import _CheckpointedForward, cache_dropped
+from lightning_ampzero.activation.apply import CacheArguments, _CheckpointedForward
 from lightning_ampzero.config import CompileConfig
 from lightning_ampzero.zero.units import find_blocks
 
@@ -62,13 +62,11 @@ class _TrainingForward:
 
     def __init__(self, module: nn.Module, original: Callable) -> None:
         self.original = original
-        self.cache_read_only = bool(getattr(module, "_can_checkpoint_with_cache", False))
+        self.cache = CacheArguments(module, original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
-            changed = cache_dropped(kwargs, self.cache_read_only)
-            if changed:
-                kwargs = {**kwargs, **changed}
+            args, kwargs, _ = self.cache.dropped(args, kwargs)
         return self.original(*args, **kwargs)
 
 

@@ -25,6 +25,7 @@ Recipes:
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 import warnings
 from contextlib import nullcontext
@@ -106,28 +107,59 @@ def _device_of(args: tuple, kwargs: dict) -> Optional[torch.device]:
 # forward. Checkpointed, the block runs again in backward and finds the cache filled: T5's
 # cross-attention then reads the cached states instead of computing them, saves fewer tensors, and
 # torch's checkpoint stops ("A different number of tensors was saved during the original forward
-# and recomputation"; a new-user trial, issue 16's note); a block that found no such check would
-# append its keys twice. A cache has no use in a training forward whose blocks are recomputed, so
-# under checkpointing a block given a cache object runs without it (``None`` under the keyword
-# names Hugging Face's decoder blocks use, and ``use_cache=False``), as transformers does for its
-# own gradient checkpointing, and says so once. A ``use_cache=True`` with no cache object (GPT-2
-# and Llama pass their config's flag down in training) has nothing to fill and is left alone, with
-# no warning. Blocks that declare ``_can_checkpoint_with_cache`` (transformers' flag for a block
-# that only reads its cache) keep their arguments.
+# and recomputation"; a new-user trial, issue 16's note); a block that found no such check appends
+# its keys twice: transformers 5's GPT-2 (which passes the cache *positionally*, and which this
+# code did not see until a new-user trial) then attended over 32 keys for 16 tokens in the
+# recomputation: eager attention stopped on a mask of the wrong size, selective checkpointing on
+# "aten.slice.Tensor encountered during backward but not found in storage", and SDPA silently did
+# the work twice. A cache has no use in a training forward whose blocks are recomputed, so under
+# checkpointing a block given a cache object runs without it (``None`` for the parameters named as
+# in Hugging Face's decoder blocks, by keyword or in their place among the positional arguments,
+# and ``use_cache=False``), as transformers does for its own gradient checkpointing, and says so
+# once. A ``use_cache=True`` with no cache object has nothing to fill and is left alone, with no
+# warning. Blocks that declare ``_can_checkpoint_with_cache`` (transformers' flag for a block that
+# only reads its cache) keep their arguments.
 CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
 
 
-def cache_dropped(kwargs: dict, read_only: bool) -> dict:
-    """The changes to a block's ``kwargs`` that take its key/value cache object away ({} if none).
+class CacheArguments:
+    """Where a block's ``forward`` takes a key/value cache object, and how to call it without one (the Note).
 
-    [Note: a cache inside a checkpointed block]; torch_compile.py applies the same to compiled blocks.
+    torch_compile.py applies the same to compiled blocks.
     """
-    if read_only or not any(kwargs.get(key) is not None for key in CACHE_KWARGS):
-        return {}  # a use_cache flag with no cache object to fill is left as the model passes it
-    changed: dict[str, Any] = {key: None for key in CACHE_KWARGS if kwargs.get(key) is not None}
-    if kwargs.get("use_cache"):
-        changed["use_cache"] = False
-    return changed
+
+    def __init__(self, module: nn.Module, forward: Callable) -> None:
+        # Hugging Face's opt-out for blocks that only read their cache (the recomputation reads the same states).
+        self.read_only = bool(getattr(module, "_can_checkpoint_with_cache", False))
+        self.positions: dict[int, str] = {}  # index among the positional arguments -> parameter name
+        try:
+            params = list(inspect.signature(forward).parameters.values())
+        except (TypeError, ValueError):  # a builtin or C forward: keywords only
+            params = []
+        for i, param in enumerate(params):
+            if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+                break
+            if param.name in CACHE_KWARGS or param.name == "use_cache":
+                self.positions[i] = param.name
+
+    def dropped(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, dict]:
+        """``(args, kwargs, changes)``: the arguments without a cache object; ``changes`` is {} when there was none."""
+        if self.read_only:
+            return args, kwargs, {}
+        changed: dict[str, Any] = {key: None for key in CACHE_KWARGS if kwargs.get(key) is not None}
+        cached_at = [i for i, name in self.positions.items()
+                     if name != "use_cache" and i < len(args) and args[i] is not None]
+        changed.update({self.positions[i]: None for i in cached_at})
+        if not changed:
+            return args, kwargs, {}  # a use_cache flag with no cache object to fill is left as the model passes it
+        flag_at = [i for i, name in self.positions.items() if name == "use_cache" and i < len(args) and args[i]]
+        new_args = tuple(None if i in cached_at else (False if i in flag_at else a) for i, a in enumerate(args))
+        new_kwargs = {**kwargs, **{key: None for key in CACHE_KWARGS if kwargs.get(key) is not None}}
+        if kwargs.get("use_cache") or flag_at:
+            changed["use_cache"] = False
+            if "use_cache" in kwargs:
+                new_kwargs["use_cache"] = False
+        return new_args, new_kwargs, changed
 
 
 class _CheckpointedForward:
@@ -135,15 +167,14 @@ class _CheckpointedForward:
 
     def __init__(self, owner: "ActivationCheckpointing", name: str, module: nn.Module, original: Callable) -> None:
         self.owner, self.name, self.original = owner, name, original
-        # Hugging Face's opt-out for blocks that only read their cache (the recomputation reads the same states).
-        self.cache_read_only = bool(getattr(module, "_can_checkpoint_with_cache", False))
+        self.cache = CacheArguments(module, original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self.owner
         if not torch.is_grad_enabled():
             return self.original(*args, **kwargs)  # evaluation: nothing is saved, nothing to checkpoint
         cfg = owner.config
-        kwargs = self._without_cache(kwargs)
+        args, kwargs = self._without_cache(args, kwargs)
         device = _device_of(args, kwargs)
         if cfg.synchronize_checkpoint_boundary:
             owner.boundaries += 1
@@ -162,22 +193,20 @@ class _CheckpointedForward:
             p.forward_s += owner._clock(device) - start
         return out
 
-    def _without_cache(self, kwargs: dict) -> dict:
-        """``kwargs`` without a key/value cache object ([Note: a cache inside a checkpointed block])."""
-        changed = cache_dropped(kwargs, self.cache_read_only)
-        if not changed:
-            return kwargs
-        if not self.owner.warned_cache and not torch.compiler.is_compiling():  # a warning would split the graph
+    def _without_cache(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments without a key/value cache object ([Note: a cache inside a checkpointed block])."""
+        args, kwargs, changed = self.cache.dropped(args, kwargs)
+        if changed and not self.owner.warned_cache and not torch.compiler.is_compiling():  # a warning would split the graph
             self.owner.warned_cache = True
             self.owner.warn(
                 f"activation checkpointing: the checkpointed block {self.name!r} was called in training with a"
-                f" key/value cache (keyword arguments {', '.join(sorted(changed))}). Backward re-runs the block,"
+                f" key/value cache (arguments {', '.join(sorted(changed))}). Backward re-runs the block,"
                 " which would fill the cache a second time (Hugging Face's T5 then stopped with CheckpointError),"
                 f" so checkpointed blocks run without it: {', '.join(f'{k}={v}' for k, v in sorted(changed.items()))},"
                 " as Hugging Face's gradient_checkpointing_enable() does. Pass use_cache=False to the model in"
                 " training_step to silence this."
             )
-        return {**kwargs, **changed}
+        return args, kwargs
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         # A call while autograd runs a backward graph is the recomputation. Under torch.compile the
@@ -224,6 +253,38 @@ def _outside_checkpoint() -> Any:
     return _disable_current_modes()
 
 
+# [Note: sharding hooks inside a selectively checkpointed block]
+# ``selective`` replays the forward of a block under a dispatch mode that pairs each op of the
+# recomputation with the same op's n-th call in the forward, and stops when the counts differ.
+# A sharding group inside the block (stage 3 under "-mixed": the block's Linears gather in the low
+# dtype as a group of their own, [Note: low-precision groups] in zero/apply.py) runs FSDP2's
+# forward hooks inside the region; what they do depends on the schedule, not on the block: in the
+# forward the group was all-gathered there (25 ``aten.view`` of the copy-out in a 2-layer BERT),
+# in the recomputation backward had gathered it already. A Hugging Face BERT at stage 3 then
+# stopped in its first backward ("aten.view.default invocation index 18 encountered during
+# backward but not found in storage"; a new-user trial, bf16-mixed and 16-mixed). Those hooks move
+# parameters, not activations the block computes, so while a selective-checkpoint mode is active
+# they run with the dispatch modes put aside, in the forward and in the recomputation alike.
+def _in_selective_region() -> bool:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    return any(isinstance(m, (_CachingTorchDispatchMode, _CachedTorchDispatchMode))
+               for m in _get_current_dispatch_mode_stack())
+
+
+def _unseen_by_selective(hook: Callable) -> Callable:
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not _in_selective_region():
+            return hook(*args, **kwargs)
+        with _outside_checkpoint():
+            return hook(*args, **kwargs)
+
+    run._ampzero_unseen = True  # type: ignore[attr-defined]
+    return run
+
+
 class ActivationCheckpointing:
     """What :func:`apply_activation_checkpointing` did to a model. With ``mode="none"`` it did
     nothing and this object is inert (``blocks`` is empty)."""
@@ -246,6 +307,21 @@ class ActivationCheckpointing:
     @property
     def enabled(self) -> bool:
         return bool(self.blocks)
+
+    def after_sharding(self, model: nn.Module) -> int:
+        """Under ``selective``, hide FSDP2's forward hooks from the checkpoint's op replay (the Note
+        [sharding hooks inside a selectively checkpointed block]); returns how many were wrapped."""
+        if self.context_fn is None or not self.blocks:
+            return 0
+        wrapped = 0
+        for module in model.modules():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                for key, hook in list(hooks.items()):
+                    if (getattr(hook, "__module__", "") or "").startswith("torch.distributed.fsdp") \
+                            and not getattr(hook, "_ampzero_unseen", False):
+                        hooks[key] = _unseen_by_selective(hook)
+                        wrapped += 1
+        return wrapped
 
     def saved_inputs_context(self) -> Any:
         return self.hooks.context() if self.hooks is not None else nullcontext()
