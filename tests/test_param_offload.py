@@ -94,6 +94,8 @@ def _train(rank: int, world: int, root: str, swap: bool, steps: int) -> dict:
         swapper.unlink()
         out["left_after_unlink"] = sorted(p.name for p in Path(root).glob(f"ampzero-params-rank{rank}-*"))
         out["after_unlink"] = _step(model, opt, g)  # the model keeps working on the unlinked file
+        swapper.remap()  # what a checkpoint or an export after fit runs: the file is reached by its descriptor
+        out["after_remap"] = _step(model, opt, g)
     opt.close()
     return out
 
@@ -120,7 +122,7 @@ def test_swapped_parameters_train_exactly_as_resident_ones(world, tmp_path):
         assert g["written"] == sum(g["padded"]) + steps * 4 * g["numel"]
         assert g["opt_io"] == [opt_bytes, opt_bytes]  # every master and moment read and written once
         assert g["peak_buffers"] <= g["buffer_count"] == 3
-        assert g["after_unlink"] > 0 and g["left_after_unlink"] == []
+        assert g["after_unlink"] > 0 and g["left_after_unlink"] == [] and g["after_remap"] > 0
     # The estimator's per-rank figures are Ψ/N formulas (ceil-divided): the mean over the ranks,
     # whose shards differ by FSDP2's dim-0 split of each parameter (here rank 0 holds 3 of the
     # head's 5 rows). Bytes written per step, parameters and optimizer, exactly that mean.

@@ -243,7 +243,16 @@ class ParamSwapper:
             )
 
     def _new_map(self) -> Tensor:
-        return torch.from_file(str(self.path), shared=True, size=self.file_bytes, dtype=torch.uint8)
+        return torch.from_file(str(self._reachable_path()), shared=True, size=self.file_bytes, dtype=torch.uint8)
+
+    def _reachable_path(self) -> Path:
+        """The swap file's name, or after :meth:`unlink` the open descriptor's entry in /proc (Linux).
+
+        A consolidated export after ``fit`` (which unlinks the file) remaps at its end: by the removed
+        name that stopped with torch's "unable to open file" after the export had been written (a
+        new-user trial).
+        """
+        return Path(f"/proc/self/fd/{self._fd}") if self._unlinked else self.path
 
     @staticmethod
     def _point(entry: _Entry, raw: Tensor) -> None:
@@ -479,6 +488,8 @@ class ParamSwapper:
         this process (the old map lives on in whatever still holds a view of it)."""
         self._check()
         self._drain()
+        if not self._reachable_path().exists():  # unlinked, and no /proc to reopen it by: keep the old map
+            return
         self._map = self._new_map()
         for unit in self.units:
             self._point_at_map(unit)
