@@ -291,6 +291,8 @@ def test_two_ranks_load_shards_train_export(ckpts, tmp_path, kind):
     assert all(torch.equal(p, results[0]["trained"][n]) for n, p in reference.named_parameters())
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert (_logits(exported) - _logits(reference)).abs().max().item() <= 1e-6
+    # the class the user wrote, not fully_shard's FSDPLlamaForCausalLM (ampzero-consolidate builds architectures[0])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert (results[0]["sharded_logits"] - _logits(reference)).abs().max().item() <= 1e-5
 
 

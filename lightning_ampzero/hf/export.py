@@ -36,6 +36,7 @@ from lightning_ampzero.hf.keys import (
     state_tensors,
     tied_targets,
 )
+from lightning_ampzero.zero.apply import own_class_name
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers 4.x's default; 5.x writes up to 50GB per file
 _OLD_SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
@@ -175,7 +176,7 @@ def save_pretrained(
     if is_zero:
         gen = getattr(model, "generation_config", None)
         can_generate = getattr(model, "can_generate", lambda: False)()
-        _write_config(model.config, out, type(model).__name__, entries, gen if can_generate else None)
+        _write_config(model.config, out, own_class_name(model), entries, gen if can_generate else None)
     if distributed:
         dist.barrier()  # the directory is complete on every rank's return
     return paths
@@ -203,8 +204,7 @@ def refuse_own_save_pretrained(module: nn.Module, stage: int) -> None:
 def _sharded_save_pretrained(model: nn.Module, stage: int, *args: Any, **kwargs: Any) -> Any:
     if kwargs.get("state_dict") is not None or len(args) >= 3:  # (save_directory, is_main_process, state_dict)
         return type(model).save_pretrained(model, *args, **kwargs)
-    # The model's own class: fully_shard() made its class a subclass named FSDP<name>.
-    name = next(c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed.")).__name__
+    name = own_class_name(model)
     raise RuntimeError(
         f"{name}.save_pretrained() cannot write this model: at ZeRO stage {stage} its parameters are sharded"
         " across the ranks, and it would read only this rank's pieces. Call"

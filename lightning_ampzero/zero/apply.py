@@ -495,7 +495,7 @@ def _before_forward_in_step(root: FSDPModule, module: nn.Module, args: object) -
             return
         held = {id(fp.sharded_param) for fp in group.fsdp_params}
         if any(id(p) in held for p in module.parameters()):
-            raise RuntimeError(OUTSIDE_STEP.format(name=type(module).__name__))
+            raise RuntimeError(OUTSIDE_STEP.format(name=own_class_name(module)))
 
 
 OUTSIDE_STEP = (
@@ -611,6 +611,11 @@ def reshard_stale(units: list[FSDPModule]) -> None:
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def own_class_name(module: nn.Module) -> str:
+    """The name of the class the user wrote: ``fully_shard`` gives a unit a subclass named ``FSDP<name>``."""
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed.")).__name__
 
 
 @contextmanager
