@@ -15,12 +15,14 @@ minor page faults per step and the peak resident memory. Needs ``transformers`` 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.suite.user_launch import run_as_user  # noqa: E402
+
 WARMUP, TIMED = 3, 8
 
 
@@ -84,13 +86,10 @@ def main() -> None:
     if args.worker:
         _user_script(*args.worker)
         return
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     print("| strategy | precision | ms/step (median) | minor page faults / step (median) | peak resident MiB |")
     print("|---|---|---|---|---|", flush=True)
     for strategy in args.strategies:
-        proc = subprocess.run([sys.executable, __file__, "--worker", strategy, args.precision], env=env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=1200)
+        proc = run_as_user(__file__, ["--worker", strategy, args.precision], timeout=1200)
         rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {strategy} |")]
         if proc.returncode != 0 or not rows:
             raise SystemExit(f"{strategy} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")

@@ -25,12 +25,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.suite.user_launch import run_as_user  # noqa: E402
+
 STRATEGIES = ("ddp", "ampzero_stage_0", "ampzero_stage_1", "ampzero_stage_2", "ampzero_stage_3")
 WARMUP, TIMED = 5, 20
 
@@ -68,10 +71,7 @@ def _user_script(strategy: str, out: str, precision: str, width: str = "256") ->
 
 
 def _run(strategy: str, out: Path, precision: str, width: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, "--worker", strategy, str(out), precision, str(width)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_as_user(__file__, ["--worker", strategy, str(out), precision, str(width)], timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"{strategy} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
