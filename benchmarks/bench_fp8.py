@@ -1,8 +1,8 @@
 """FP8 on a GPU: kernel check, Fp8Linear forward+backward against bf16, tokens/s of a GPT block stack.
 
 A benchmark, not a test; it needs a CUDA GPU with FP8 (compute capability 8.9+: Ada, Hopper).
-It was written on a machine without one and has NOT been run yet: numbers come from the first
-run on an H100/H200 (``run`` it through the device tool when one is lent).
+Written on a machine without one; the kernels and linear parts ran on one H100
+(benchmarks/results/fp8_nvidia_h100_80gb_hbm3.md), the blocks part has not run yet.
 
 1. ``kernels``: the Triton casts (fused amax+scale+cast, cast+transpose, row-wise) against the
    torch path, bit for bit, and their bandwidth (GB/s of input read + FP8 written).

@@ -42,11 +42,17 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.a(self.emb(x)))).sum()
 
 
-def _sharded(mesh):
+def _sharded(mesh, fp8_all_gather=False):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     net = Net()
+    if fp8_all_gather:  # FP8 needs multiples of 16; the Linear weights' local shards become Fp8AllGatherWeight
+        from lightning_ampzero.config import Fp8Config
+        from lightning_ampzero.fp8 import convert_to_fp8
+
+        net.emb, net.a, net.b = nn.Embedding(11, 16), nn.Linear(16, 32), nn.Linear(32, 16)
+        convert_to_fp8(net, Fp8Config(recipe="tensorwise", min_features=0, msamp="O1"), fp8_all_gather=True)
     fully_shard(net.a, mesh=mesh)
     fully_shard(net, mesh=mesh)
     return net
@@ -103,6 +109,54 @@ def test_local_step_is_the_dtensor_step_bit_for_bit():
             assert res["layout"], f"{case}: state not laid out as the parameters"
 
 
+def _foreach_default_body(rank, world_size, fp8_all_gather):
+    import torch.optim.adam as adam_module
+    import torch.optim.optimizer as optimizer_module
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_ampzero.zero.local_step import on_local_shards
+
+    # Where foreach kernels are supported (CUDA), torch resolves ``foreach=None`` to foreach for
+    # DTensors as for plain tensors, but to the for-loop for a local tensor of another type (the FP8
+    # all-gather's weight wrapper); CPU is made such a device here to see that the local step runs
+    # what the DTensor step runs.
+    optimizer_module._get_foreach_kernels_supported_devices = lambda: ["cuda", "cpu"]
+    calls = []
+    for impl in ("_single_tensor_adam", "_multi_tensor_adam"):
+        def record(*args, _impl=getattr(adam_module, impl), _name=impl, **kwargs):
+            calls.append(_name)
+            return _impl(*args, **kwargs)
+        setattr(adam_module, impl, record)
+    mesh = init_device_mesh("cpu", (world_size,))
+    nets = [_sharded(mesh, fp8_all_gather), _sharded(mesh, fp8_all_gather)]
+    opts = [torch.optim.AdamW(n.parameters(), lr=0.05) for n in nets]
+    wrapped = {type(p.to_local()).__name__ for p in nets[1].parameters()}
+    impls, equal = [], True
+    for step in range(2):
+        x = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(10 * step + rank))
+        for net in nets:
+            net(x).backward()
+        opts[0].step()
+        with on_local_shards(opts[1]):
+            opts[1].step()
+        impls.append(calls[-2:])
+        equal &= all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(*(n.parameters() for n in nets)))
+        for opt in opts:
+            opt.zero_grad()
+    return {"impls": impls, "equal": equal, "foreach": [g["foreach"] for g in opts[1].param_groups],
+            "wrapped": "Fp8AllGatherWeight" in wrapped}
+
+
+@pytest.mark.parametrize("fp8_all_gather", [False, True], ids=["plain", "fp8-all-gather"])
+def test_foreach_none_resolves_as_for_the_dtensors(fp8_all_gather):
+    for r in spawn(_foreach_default_body, world_size=2, timeout=120, args=(fp8_all_gather,)):
+        assert r["wrapped"] == fp8_all_gather
+        # both steps ran torch's foreach AdamW (the DTensor step's choice on such a device), with the same bits
+        assert r["impls"] == [["_multi_tensor_adam", "_multi_tensor_adam"]] * 2
+        assert r["equal"]
+        assert r["foreach"] == [None]  # the user's setting, as it was
+
+
 def _refusals_body(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -122,13 +176,15 @@ def _refusals_body(rank, world_size):
             "hooked": steps_on_local_shards(hooked),
             "lbfgs": steps_on_local_shards(torch.optim.LBFGS(net.parameters())),
             "differentiable": steps_on_local_shards(torch.optim.SGD(net.parameters(), lr=0.1, differentiable=True)),
+            # Adam turns foreach off for a tensor lr after resolving it: not pinned, kept on the DTensors
+            "tensor_lr": steps_on_local_shards(torch.optim.AdamW(net.parameters(), lr=torch.tensor(1e-3))),
             "no_dtensor": steps_on_local_shards(plain)}
 
 
 def test_what_stays_on_dtensors():
     for r in spawn(_refusals_body, world_size=2, timeout=120):
         assert r == {"adamw": True, "subclass": False, "hooked": False, "lbfgs": False, "differentiable": False,
-                     "no_dtensor": False}
+                     "tensor_lr": False, "no_dtensor": False}
 
 
 @pytest.mark.parametrize("stage", [1, 3])

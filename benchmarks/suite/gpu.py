@@ -1,8 +1,8 @@
 """Single-GPU suite: a GPT of about 1B parameters on one H100/H200, through Lightning's Trainer.
 
-NOT RUN YET: written on a machine without a GPU. ``--dry-run`` runs the same code path on the
-CPU with a tiny model (what the CPU machine checks); the figures come from the first run on a
-lent H100/H200::
+Written on a machine without a GPU; first run on one H100 (stages 0-3 and stage 3 with
+activation checkpointing, benchmarks/README.md). ``--dry-run`` runs the same code path on the
+CPU with a tiny model (what the CPU machine checks)::
 
     python benchmarks/run.py --gpu                      # every configuration, ~15-25 min on an H100
     python benchmarks/run.py --gpu --only 's[23]'       # a subset (regex on the names)
