@@ -10,6 +10,11 @@
 #   gpu_train.json         test_gpu_stages.py's figures per configuration
 #   main_job.log           the main job on the GPU (`experiment=shakespeare_gpu`, 200 steps):
 #                          its summary's tokens/s and MFU
+#   suite/gpu_<device>.*   with SUITE_S=seconds (0: skipped, the default): the single-GPU suite's
+#                          configurations matching SUITE_ONLY (default: stages 0-3 and stage 3 with
+#                          activation checkpointing; about 40 s each on an H100)
+#   fp8_<device>.*         with FP8_S=seconds (0: skipped): benchmarks/bench_fp8.py's kernels and
+#                          linear parts at 8192
 # The tests run three at a time (the GPU is shared, so their timings are not figures to report);
 # the main job runs alone after them. Each part has its own time limit, so one that hangs leaves
 # the other's results.
@@ -31,3 +36,15 @@ echo "pytest exit $?" >>"$out/pytest_gpu.log"
     trainer.max_steps=200 hydra.run.dir=/tmp/main-job >"$out/main_job.log" 2>&1; echo "main job exit $?" >>"$out/main_job.log")
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$out/pytest_gpu.log"
 tail -n 40 "$out/main_job.log"
+# Benchmarks last, alone on the GPU, each under its own limit.
+if [ "${SUITE_S:-0}" -gt 0 ]; then
+    timeout "$SUITE_S" "$py" benchmarks/run.py --gpu --only "${SUITE_ONLY:-ampzero/(s[0-3]|s3\+ac)\$}" --steps 8 \
+        --warmup 3 --out "$out/suite" 2>&1 | grep -v Warning | tail -n 12
+fi
+if [ "${FP8_S:-0}" -gt 0 ]; then
+    # Its results are written into benchmarks/results/ (the committed ones included): copied only when it ran through.
+    if (set -o pipefail; timeout "$FP8_S" "$py" benchmarks/bench_fp8.py --parts kernels,linear --sizes 8192 \
+        --recipes tensorwise,rowwise 2>&1 | tail -n 6); then
+        cp benchmarks/results/fp8_*.json benchmarks/results/fp8_*.md "$out/"
+    fi
+fi
