@@ -58,12 +58,28 @@ def _sharded(mesh, fp8_all_gather=False):
     return net
 
 
+def _step_both(nets, opts, step, rank, inside_local=lambda: None):
+    """One step of both copies on the same batch: ``opts[0]`` on the DTensors, ``opts[1]`` inside
+    ``on_local_shards`` (``inside_local`` runs there first); gradients zeroed afterwards."""
+    from lightning_ampzero.zero.local_step import on_local_shards
+
+    x = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(10 * step + rank))
+    for net in nets:
+        net(x).backward()
+    opts[0].step()
+    with on_local_shards(opts[1]):
+        inside_local()
+        opts[1].step()
+    for opt in opts:
+        opt.zero_grad()
+
+
 def _body(rank, world_size):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lightning_ampzero.zero.local_step import on_local_shards, steps_on_local_shards
+    from lightning_ampzero.zero.local_step import steps_on_local_shards
 
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
@@ -73,15 +89,8 @@ def _body(rank, world_size):
         eligible = steps_on_local_shards(opts[1])
         local_types, equal, layout = set(), True, True
         for step in range(3):
-            x = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(10 * step + rank))
-            for net in nets:
-                net(x).backward()
-            opts[0].step()
-            with on_local_shards(opts[1]):
-                local_types.update(type(p) for g in opts[1].param_groups for p in g["params"])
-                opts[1].step()
-            for opt in opts:
-                opt.zero_grad()
+            _step_both(nets, opts, step, rank, lambda: local_types.update(
+                type(p) for g in opts[1].param_groups for p in g["params"]))
             for p, q in zip(nets[0].parameters(), nets[1].parameters()):
                 equal &= torch.equal(p.to_local(), q.to_local())
                 s, t = opts[0].state[p], opts[1].state[q]
@@ -114,8 +123,6 @@ def _foreach_default_body(rank, world_size, fp8_all_gather):
     import torch.optim.optimizer as optimizer_module
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_ampzero.zero.local_step import on_local_shards
-
     # Where foreach kernels are supported (CUDA), torch resolves ``foreach=None`` to foreach for
     # DTensors as for plain tensors, but to the for-loop for a local tensor of another type (the FP8
     # all-gather's weight wrapper); CPU is made such a device here to see that the local step runs
@@ -133,16 +140,9 @@ def _foreach_default_body(rank, world_size, fp8_all_gather):
     wrapped = {type(p.to_local()).__name__ for p in nets[1].parameters()}
     impls, equal = [], True
     for step in range(2):
-        x = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(10 * step + rank))
-        for net in nets:
-            net(x).backward()
-        opts[0].step()
-        with on_local_shards(opts[1]):
-            opts[1].step()
+        _step_both(nets, opts, step, rank)
         impls.append(calls[-2:])
         equal &= all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(*(n.parameters() for n in nets)))
-        for opt in opts:
-            opt.zero_grad()
     return {"impls": impls, "equal": equal, "foreach": [g["foreach"] for g in opts[1].param_groups],
             "wrapped": "Fp8AllGatherWeight" in wrapped}
 

@@ -146,15 +146,15 @@ class CacheArguments:
         """``(args, kwargs, changes)``: the arguments without a cache object; ``changes`` is {} when there was none."""
         if self.read_only:
             return args, kwargs, {}
-        changed: dict[str, Any] = {key: None for key in CACHE_KWARGS if kwargs.get(key) is not None}
+        by_keyword = {key: None for key in CACHE_KWARGS if kwargs.get(key) is not None}
         cached_at = [i for i, name in self.positions.items()
                      if name != "use_cache" and i < len(args) and args[i] is not None]
-        changed.update({self.positions[i]: None for i in cached_at})
+        changed: dict[str, Any] = {**by_keyword, **{self.positions[i]: None for i in cached_at}}
         if not changed:
             return args, kwargs, {}  # a use_cache flag with no cache object to fill is left as the model passes it
         flag_at = [i for i, name in self.positions.items() if name == "use_cache" and i < len(args) and args[i]]
         new_args = tuple(None if i in cached_at else (False if i in flag_at else a) for i, a in enumerate(args))
-        new_kwargs = {**kwargs, **{key: None for key in CACHE_KWARGS if kwargs.get(key) is not None}}
+        new_kwargs = {**kwargs, **by_keyword}
         if kwargs.get("use_cache") or flag_at:
             changed["use_cache"] = False
             if "use_cache" in kwargs:
@@ -265,18 +265,16 @@ def _outside_checkpoint() -> Any:
 # backward but not found in storage"; a new-user trial, bf16-mixed and 16-mixed). Those hooks move
 # parameters, not activations the block computes, so while a selective-checkpoint mode is active
 # they run with the dispatch modes put aside, in the forward and in the recomputation alike.
-def _in_selective_region() -> bool:
+def _unseen_by_selective(hook: Callable) -> Callable:
+    # Resolved once per hook, not on every call: the wrapper runs around each unit's forward hooks.
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
     from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
-    return any(isinstance(m, (_CachingTorchDispatchMode, _CachedTorchDispatchMode))
-               for m in _get_current_dispatch_mode_stack())
+    selective_modes = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
 
-
-def _unseen_by_selective(hook: Callable) -> Callable:
     @functools.wraps(hook)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not _in_selective_region():
+        if not any(isinstance(m, selective_modes) for m in _get_current_dispatch_mode_stack()):
             return hook(*args, **kwargs)
         with _outside_checkpoint():
             return hook(*args, **kwargs)
