@@ -149,14 +149,19 @@ class MemoryReport(Callback):
     def _hook_fsdp(self, trainer: Any, pl_module: nn.Module) -> None:
         """Sample inside FSDP2's unit hooks for this step (the estimate's working set exists only there).
 
-        Wraps the bound methods on each param group instance (FSDP2 calls them by attribute), so
-        only this model is affected, and only on sampled steps: a sample walks every parameter.
+        Wraps the methods on each param group instance (FSDP2 calls them by attribute), so only
+        this model is affected, and only on sampled steps: a sample walks every parameter. It wraps
+        what the instance holds, which may be the strategy's own wrapper (the unused-parameter
+        tracker, gradient offload, the low-dtype gather all wrap ``post_backward``), and puts that
+        back afterwards: wrapping the class's method skipped them on sampled steps and unhooking
+        then dropped them for the rest of the run.
         """
         for group in fsdp_param_groups(pl_module):
+            held = {}
             for name, after in (("pre_forward", True), ("pre_backward", True), ("post_backward", False)):
-                setattr(group, name, self._sampling_wrapper(getattr(type(group), name).__get__(group), after,
-                                                            trainer, pl_module))
-            self._hooked.append(group)
+                held[name] = group.__dict__.get(name)  # an instance wrapper, or None: the class's method
+                setattr(group, name, self._sampling_wrapper(getattr(group, name), after, trainer, pl_module))
+            self._hooked.append((group, held))
 
     def _sampling_wrapper(self, fn: Any, after: bool, trainer: Any, pl_module: nn.Module) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -169,9 +174,12 @@ class MemoryReport(Callback):
         return wrapped
 
     def _unhook_fsdp(self) -> None:
-        for group in self._hooked:
-            for name in ("pre_forward", "pre_backward", "post_backward"):
-                group.__dict__.pop(name, None)  # the class's method again
+        for group, held in self._hooked:
+            for name, wrapper in held.items():
+                if wrapper is None:
+                    group.__dict__.pop(name, None)  # the class's method again
+                else:
+                    setattr(group, name, wrapper)
         self._hooked = []
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

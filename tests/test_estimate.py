@@ -612,6 +612,40 @@ def test_memory_report_counts_offloaded_optimizer_state_as_host_memory(tmp_path,
     assert rank["model_states"] <= rank["params"] + rank["grads"] + rank["optimizer"] + rank["working"]
 
 
+def test_memory_report_keeps_the_strategys_own_wrappers_of_fsdp2s_hooks():
+    # MemoryReport wrapped the class's post_backward on sampled steps, skipping the instance wrappers
+    # the strategy installs (the unused-parameter tracker, gradient offload, the low-dtype gather of
+    # stages 1-2 under -mixed), and unhooking dropped them for the rest of the run: with bf16-mixed
+    # at stage 2 the first sampled backward stopped on FSDP2's "uniform gradient dtype".
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_ampzero.callbacks import MemoryReport
+    from lightning_ampzero.memory import fsdp_param_groups
+    from lightning_ampzero.models.gpt import GPTModule
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    seen = []
+
+    class Wrappers(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            seen.append([sorted(k for k in ("pre_forward", "pre_backward", "post_backward") if k in g.__dict__)
+                         for g in fsdp_param_groups(pl_module)])
+
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64)
+    report = MemoryReport(log_every_n_steps=2, print_table=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, callbacks=[report, Wrappers()], logger=False,
+                         strategy=AmpZeroStrategy(stage=2), precision="bf16-mixed", enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    pl.seed_everything(0, verbose=False)
+    tokens = torch.randint(0, 64, (10, 17), generator=torch.Generator().manual_seed(0))
+    trainer.fit(GPTModule(model=cfg), DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]),
+                                                 batch_size=2))
+    assert trainer.global_step == 5 and report.report["per_rank"]
+    # after every step, sampled or not, each group still holds the strategy's post_backward wrapper
+    assert len(seen) == 5 and all(groups and all("post_backward" in names for names in groups) for groups in seen)
+
+
 def _measured_under_cpu_offload_policy(rank, world_size):
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
