@@ -614,9 +614,8 @@ def test_memory_report_counts_offloaded_optimizer_state_as_host_memory(tmp_path,
 
 def test_memory_report_keeps_the_strategys_own_wrappers_of_fsdp2s_hooks():
     # MemoryReport wrapped the class's post_backward on sampled steps, skipping the instance wrappers
-    # the strategy installs (the unused-parameter tracker, gradient offload, the low-dtype gather of
-    # stages 1-2 under -mixed), and unhooking dropped them for the rest of the run: with bf16-mixed
-    # at stage 2 the first sampled backward stopped on FSDP2's "uniform gradient dtype".
+    # the strategy installs (the unused-parameter tracker, gradient offload), and unhooking dropped
+    # them for the rest of the run (found with a wrapper that stages 1-2 needed on every backward).
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 

@@ -75,24 +75,22 @@ def _collectives():
         def __init__(self):
             super().__init__()
             self.calls: list[tuple[str, str]] = []
-            self.bytes: Counter = Counter()  # bytes of each collective's output, by op
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace == "c10d":
                 out = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
                 self.calls.append((func._opname.strip("_"), str(out.dtype).removeprefix("torch.")))
-                self.bytes[func._opname.strip("_")] += out.numel() * out.element_size()
             return func(*args, **(kwargs or {}))
 
     return Collectives()
 
 
 def _train(model, rank, record=False):
-    """STEPS AdamW steps on this rank's batches; losses, the last step's collectives and their output bytes by op."""
+    """STEPS AdamW steps on this rank's batches; losses and the last step's collectives."""
     import torch.nn.functional as F
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, calls, nbytes = [], [], Counter()
+    losses, calls = [], []
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(100 * step + rank)
         idx = torch.randint(0, 256, (2, 9), generator=gen)
@@ -105,8 +103,8 @@ def _train(model, rank, record=False):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        calls, nbytes = mode.calls, mode.bytes
-    return losses, calls, nbytes
+        calls = mode.calls
+    return losses, calls
 
 
 def _full(model):
@@ -206,18 +204,14 @@ def _body(rank, world_size, stage):
     root, per_module = _policies(grouped, stage)
     apply_zero(grouped, mesh, cfg, root, module_policies=per_module)
     out["groups"] = _groups(grouped)
-    # what the gather moves per step: every parameter in fp32, or the Linears' in bf16 (padded shards)
-    linear = sum(p.numel() for n, p in grouped.named_parameters() if any(k in n for k in LINEARS + ("head",)))
-    total = sum(p.numel() for p in grouped.parameters())
-    out["fp32_gather_bytes"], out["low_gather_bytes"] = 4 * total, 2 * linear + 4 * (total - linear)
     out["prefetch"] = _prefetch_chains(grouped)
     out["order"] = _execution_order(grouped) if stage == 3 else None
-    out["losses"], out["calls"], out["bytes"] = _train(grouped, rank)
+    out["losses"], out["calls"] = _train(grouped, rank)
     out["params"] = _full(grouped)
 
     per_linear = _gpt()
     _per_linear_layout(per_linear, mesh, cfg, *_policies(per_linear, stage))
-    out["per_linear_losses"], out["per_linear_calls"], out["per_linear_bytes"] = _train(per_linear, rank)
+    out["per_linear_losses"], out["per_linear_calls"] = _train(per_linear, rank)
     out["per_linear_params"] = _full(per_linear)
 
     # All blocks in one unit (the default bucket, 5e8 elements): still one Linear group for them.
@@ -226,12 +220,12 @@ def _body(rank, world_size, stage):
     apply_zero(whole, mesh, ZeroConfig(stage=stage, param_persistence_threshold=0), root, module_policies=per_module)
     out["whole_groups"] = _groups(whole)
     out["whole_root"] = _groups(whole, root=True)
-    out["whole_losses"], out["whole_calls"], _ = _train(whole, rank)
+    out["whole_losses"], out["whole_calls"] = _train(whole, rank)
 
     ref = _gpt()
     ddp = torch.nn.parallel.DistributedDataParallel(ref)
     register_reduce_dtypes(ddp, ddp_reduce_dtypes(dtype_plan("bf16-mixed", PrecisionConfig()), ref))
-    out["ddp_losses"], _, _ = _train(ddp, rank)
+    out["ddp_losses"], _ = _train(ddp, rank)
     return out
 
 
@@ -293,16 +287,12 @@ def test_collectives_per_step_two_per_block_and_their_dtypes(run):
             continue
         # Below stage 3: one group per block (its Linears' gradients in bf16, the rest in fp32),
         # wte+wpe (fp32) and ln_f+head (both): one all-gather each, one reduce-scatter per wire dtype.
-        # A group holding Linears gathers them in bf16 and the rest in fp32, as bytes ([Note: safe
-        # modules gathered in the low dtype below stage 3] in zero/comm.py).
-        want = Counter({("allgather_base", "uint8"): N_LAYER + 1, ("allgather_base", "float32"): 1,
+        want = Counter({("allgather_base", "float32"): N_LAYER + 2,
                         ("reduce_scatter_base", "bfloat16"): N_LAYER + 1,
                         ("reduce_scatter_base", "float32"): N_LAYER + 2})
         assert got == want, (stage, got)
-        # the Linears' weights and biases in bf16, the rest in fp32: 0.6x the bytes of an fp32 gather here
-        assert r["bytes"]["allgather_base"] == r["low_gather_bytes"] < r["fp32_gather_bytes"], r["bytes"]
         # the model in one bucket: the root alone, one all-gather and a reduce-scatter per dtype
-        assert Counter(r["whole_calls"]) == Counter({("allgather_base", "uint8"): 1,
+        assert Counter(r["whole_calls"]) == Counter({("allgather_base", "float32"): 1,
                                                      ("reduce_scatter_base", "bfloat16"): 1,
                                                      ("reduce_scatter_base", "float32"): 1})
 
@@ -423,7 +413,7 @@ def _stage2_layouts_body(rank, world_size):
             per_module = {m: MixedPrecisionPolicy(reduce_dtype=torch.bfloat16, cast_forward_inputs=True)
                           for m in per_module}
         apply_zero(model, mesh, ZeroConfig(stage=2, param_persistence_threshold=0), root, module_policies=per_module)
-        losses, calls, _ = _train(model, rank)
+        losses, calls = _train(model, rank)
         out[layout] = {"groups": _groups(model, root=True), "losses": losses, "params": _full(model),
                        "calls": Counter(calls)}
     # what the strategy asks for
@@ -501,7 +491,7 @@ class _Branchy(torch.nn.Module):
         return self.b(torch.relu(self.frozen(h)))
 
 
-def _branchy_body(rank, world_size, stage, one_rank=False):
+def _branchy_body(rank, world_size, stage):
     from unittest import mock
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -519,9 +509,7 @@ def _branchy_body(rank, world_size, stage, one_rank=False):
         wire = apply._wire_dtypes if layout == "one_group" else (lambda *a, **k: {})
         with mock.patch.object(apply, "_wire_dtypes", wire):
             apply.apply_zero(model, mesh, ZeroConfig(stage=stage), root, module_policies=per_module)
-        if one_rank:  # the branch taken on rank 0 only; rank 1 reduces zeros for it, as the strategy asks
-            model.set_reduce_scatter_unused_params(True)
-        losses = _train_small(model, rank, 16, 4, lambda x, step: model(x, step % 2 == 1 and (rank == 0 or not one_rank)))
+        losses = _train_small(model, rank, 16, 4, lambda x, step: model(x, step % 2 == 1))
         out[layout] = {"losses": losses, "params": _full(model), "groups": _groups(model, root=True)}
     return out
 
@@ -541,15 +529,11 @@ def _train_small(model, rank, features, steps, forward):
     return losses
 
 
-@pytest.mark.parametrize("one_rank", [False, True], ids=["unused_on_all_ranks", "unused_on_one_rank"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_one_group_two_wire_dtypes_with_unused_and_frozen_parameters(stage, one_rank):
+def test_one_group_two_wire_dtypes_with_unused_and_frozen_parameters(stage):
     # Steps without the branch pack fewer gradients (FSDP2 packs only those that exist), and the
-    # frozen Linear never has one: the layout MixedWireReduceScatter reads must follow. With the
-    # branch taken on one rank only, the other reduces zeros for it (set_reduce_scatter_unused_params,
-    # the strategy's setting): fp32 zeros, though the Linear gathers in bf16 ([Note: safe modules
-    # gathered in the low dtype below stage 3]; bf16 ones stopped FSDP2 on "uniform gradient dtype").
-    for r in spawn(_branchy_body, world_size=2, args=(stage, one_rank), timeout=180):
+    # frozen Linear never has one: the layout MixedWireReduceScatter reads must follow.
+    for r in spawn(_branchy_body, world_size=2, args=(stage,), timeout=180):
         assert r["one_group"]["groups"] == [(("",), ("None", "bfloat16+float32"))]
         assert len(r["two_groups"]["groups"]) == 2
         assert r["one_group"]["losses"] == r["two_groups"]["losses"]

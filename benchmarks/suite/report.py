@@ -108,29 +108,7 @@ def _max_dict(ranks: list[dict], key: str) -> dict[str, int]:
     return out
 
 
-#: Systems whose stages 1-2 under "-mixed" gather the lower_precision_safe_modules in the low dtype on gloo
-#: ([Note: safe modules gathered in the low dtype below stage 3] in lightning_ampzero/zero/comm.py); DeepSpeed's
-#: torch_autocast and ampzero_fp32reduce (no safe modules) gather every parameter in fp32.
-_LOW_GATHER_SYSTEMS = ("ampzero", "fsdp2", "ampzero_nosigterm", "ampzero_reuse")
-
-
-def _safe_numel(w: dict) -> int:
-    """Elements of the workload GPT's ``lower_precision_safe_modules`` (its Linears), built on the meta device."""
-    import torch
-
-    from lightning_ampzero.config import PrecisionConfig
-    from lightning_ampzero.models.gpt import GPT, GPTConfig
-    from lightning_ampzero.precision.policy import safe_modules
-
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=w["vocab"], block_size=w["seq"], n_layer=w["n_layer"],
-                              n_head=w["n_head"], n_embd=w["n_embd"]))
-    chosen = safe_modules(model, tuple(PrecisionConfig().lower_precision_safe_modules))
-    return sum(p.numel() for _, m in chosen for p in m.parameters())
-
-
-def _model_state(cfg: BenchConfig, ranks: list[dict], numel: int, world: int, accumulate: int,
-                 safe_numel: int = 0) -> Optional[dict]:
+def _model_state(cfg: BenchConfig, ranks: list[dict], numel: int, world: int, accumulate: int) -> Optional[dict]:
     from lightning_ampzero.memory import as_zero_categories, zero_formula
 
     raw = _max_dict(ranks, "model_state")
@@ -150,11 +128,6 @@ def _model_state(cfg: BenchConfig, ranks: list[dict], numel: int, world: int, ac
     else:  # fp32 parameters and gradients (autocast keeps them fp32)
         formula = zero_formula(numel, world, cfg.stage)
     f = formula.as_dict()
-    if (cfg.precision.endswith("-mixed") and cfg.stage in (1, 2) and cfg.system in _LOW_GATHER_SYSTEMS
-            and safe_numel):
-        # the safe modules' gathered parameters are 2 bytes, not 4 (their fp32 masters are the shards)
-        f["params"] -= 2 * safe_numel
-        f["total"] = f["params"] + f["grads"] + f["optimizer"]
     if cfg.stage == 1 and accumulate == 1 and cfg.system != "deepspeed":
         # The paper's stage 1 keeps full gradients; FSDP2's stage 1 keeps them only across the
         # micro-batches of an accumulation (zero/apply.py no_sync) and otherwise reduce-scatters
@@ -188,7 +161,6 @@ def aggregate(reps: list[dict]) -> dict:
     w = meta["workload"]
     world = meta["world"]
     flops_per_token = _model_flops_per_token(w)
-    safe_numel = _safe_numel(w)
     peaks = [r["meta"].get("gemm_peak_flops") for r in reps if r["meta"].get("gemm_peak_flops")]
     out: dict[str, Any] = {}
     for name, recs in by_name.items():
@@ -222,7 +194,7 @@ def aggregate(reps: list[dict]) -> dict:
             "rss_growth": _median([max(x["peak_rss"] - x["rss_start"] for x in r["ranks"]) for r in ok]),
             "losses": _mean_losses(first),
             "losses_identical_across_reps": all(_mean_losses(r["ranks"]) == _mean_losses(first) for r in ok),
-            "model_state": _model_state(cfg, first, numel, world, w["accumulate"], safe_numel),
+            "model_state": _model_state(cfg, first, numel, world, w["accumulate"]),
             "wall_s": _median([max(x["wall_s"] for x in r["ranks"]) for r in ok]),
             "raw": {"step_s": {str(r["rep"]): _per_step_max(r["ranks"]) for r in ok},
                     "cpu_s": {str(r["rep"]): _per_step_cpu(r["ranks"]) for r in ok}},

@@ -129,10 +129,7 @@ def fsdp_policies(plan: DtypePlan, model: nn.Module, stage: int) -> tuple[object
     if stage < 3 and HAS_CUSTOM_REDUCE_SCATTER:
         # Accumulate in fp32 between micro-batches, send in the low dtype: see
         # [Note: stage 1 accumulation dtype] in zero/comm.py.
-        # Gathered in autocast's dtype where they share their unit's group: [Note: safe modules
-        # gathered in the low dtype below stage 3] in zero/comm.py.
-        safe: MixedPrecisionPolicy = CommDtypePolicy(cast_forward_inputs=True, comm_dtype=plan.safe_reduce_dtype,
-                                                     gather_dtype=plan.low_dtype)
+        safe: MixedPrecisionPolicy = CommDtypePolicy(cast_forward_inputs=True, comm_dtype=plan.safe_reduce_dtype)
     else:
         safe = MixedPrecisionPolicy(
             param_dtype=plan.low_dtype if stage == 3 else None,

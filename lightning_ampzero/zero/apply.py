@@ -33,7 +33,6 @@ from lightning_ampzero.zero.comm import (
     HAS_CUSTOM_REDUCE_SCATTER,
     CommDtypePolicy,
     LowPrecisionReduceScatter,
-    gather_in_low_dtype,
     install_gloo_comms,
     install_mixed_wire,
 )
@@ -197,7 +196,6 @@ def apply_zero(
     scalars = scalar_parameters(model)  # [Note: 0-dim parameters] in scalars.py: replicated
     units = plan_units(model, cfg.wrap_modules, cfg.unit_size, cfg.stage)  # [Note: units below stage 3]
     module_policies = dict(module_policies or {})
-    gather = {m: p.gather_dtype for m, p in module_policies.items() if getattr(p, "gather_dtype", None) is not None}
     wire = _wire_dtypes(mesh, cfg, mp_policy, module_policies)
     names = {id(m): n for n, m in model.named_modules()}
 
@@ -252,11 +250,8 @@ def apply_zero(
         _prefetch_forward_on_gloo(model, gloo)
     if wire:  # [Note: one group, two wire dtypes] in comm.py; a safe module's submodules are it
         owners = {sub: dtype for m, dtype in wire.items() for sub in m.modules()}
-        # [Note: safe modules gathered in the low dtype below stage 3] in comm.py
-        low = {sub: gather[m] for m in wire if m in gather for sub in m.modules()}
         for target in [g.modules[0] for g in groups] + [model]:
-            if install_mixed_wire(target, owners, overlap=overlap) and low:
-                gather_in_low_dtype(target, low)
+            install_mixed_wire(target, owners, overlap=overlap)
     # [Note: buffer broadcast] in zero/buffers.py: running statistics as DDP keeps them.
     # Every rank of the mesh holds a replica of the buffers (FSDP2 shards parameters only).
     install_buffer_broadcast(model, mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())
@@ -526,13 +521,10 @@ def _param_groups_of(root: nn.Module, fresh: bool = False) -> list:
 
 
 def gathers_in_other_dtypes(model: nn.Module) -> bool:
-    """Whether some unit gathers parameters in a dtype other than their own ("-mixed": the Linears, at stage 3
-    and, on gloo, at stages 1-2: [Note: safe modules gathered in the low dtype below stage 3] in comm.py)."""
+    """Whether some unit gathers parameters in a dtype other than their own (stage 3 "-mixed": the Linears)."""
     from lightning_ampzero.memory import fsdp_param_groups
 
     for group in fsdp_param_groups(model):
-        if getattr(group, "_ampzero_gathers_low", False):
-            return True
         wanted = group.mp_policy.param_dtype  # (FSDPParam's own dtype attributes exist only after lazy init)
         if wanted is not None and any(fp.sharded_param.dtype != wanted for fp in group.fsdp_params):
             return True
@@ -552,9 +544,7 @@ def run_outside_steps_in(root: nn.Module, context: Callable[[], ContextManager[N
     Such calls now run under the precision plugin's forward context (its autocast), as
     ``trainer.predict()`` would: the outputs are bf16-mixed outputs, not fp32 ones (inside an
     autocast the caller entered, the caller's applies). The strategy
-    installs this only where some unit gathers in another dtype: stage 3 "-mixed", and stages 1-2
-    "-mixed" on gloo ([Note: safe modules gathered in the low dtype below stage 3] in comm.py);
-    stage 0, and stages 1-2 elsewhere, still match ddp there.
+    installs this only where some unit gathers in another dtype, so stages 0-2 still match ddp.
     """
     if getattr(root, "_ampzero_outside_context", None) is not None:
         return

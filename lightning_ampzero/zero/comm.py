@@ -38,7 +38,6 @@ from gloo's, as between any two all-reduce algorithms. The all-gather only moves
 
 from __future__ import annotations
 
-import functools
 import itertools
 import sys
 from dataclasses import dataclass
@@ -47,8 +46,6 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
-
-from lightning_ampzero.zero.groups import repeated_post_backward
 
 try:  # the custom-comm API of FSDP2 (torch >= 2.8); without it stage 1 keeps FSDP2's rule
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGather
@@ -70,14 +67,9 @@ class CommDtypePolicy(MixedPrecisionPolicy):
     gloo the modules stay in their unit's group and its :class:`MixedWireReduceScatter` sends their
     part in ``comm_dtype``; elsewhere at stage 1 they are a group of their own with a
     :class:`LowPrecisionReduceScatter`, at stage 2 a group FSDP2 reduce-scatters in ``comm_dtype``.
-
-    ``gather_dtype``: the dtype the forward computes these modules in (autocast's, under "-mixed"):
-    where they stay in their unit's group (gloo), their parameters are all-gathered in it
-    ([Note: safe modules gathered in the low dtype below stage 3]). None gathers them as stored.
     """
 
     comm_dtype: Optional[torch.dtype] = None
-    gather_dtype: Optional[torch.dtype] = None
 
 
 class _PlainAlloc:
@@ -206,20 +198,13 @@ def _lockstep(*parts: Steps) -> Steps:
             yield works
 
 
-def _ring_all_gather_steps(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
-                           elements: Optional[int] = None) -> Steps:
-    """``output`` (1-D) = every rank's ``input``, in rank order. Step s passes on chunk (rank - s).
-
-    ``elements``: the parameter elements ``output`` holds when it holds several dtypes as bytes
-    (added to the label, for benchmarks/suite/comm.py's count of elements).
-    """
+def _ring_all_gather_steps(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> Steps:
+    """``output`` (1-D) = every rank's ``input``, in rank order. Step s passes on chunk (rank - s)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = output.view(world, -1)
     if input.data_ptr() != chunks[rank].data_ptr():  # FSDP2 copies in place: usually the same
         chunks[rank].copy_(input.view(-1))
     label = f"{AG_LABEL}#{output.dtype}#{world}#{next(_ring_numbers)}"  # as the reduce-scatter's
-    if elements is not None:
-        label += f"#{elements}"
     for step in range(world - 1):
         with torch.profiler.record_function(label):
             works = _exchange(chunks[(rank - step) % world], chunks[(rank - step - 1) % world], group, rank, world)
@@ -365,19 +350,6 @@ class GlooReduceScatter(_PlainAlloc, _RSBase):
             output_tensor.div_(world)
 
 
-def _mixed_gather_elements(output: torch.Tensor, world: int) -> Optional[int]:
-    """The parameter elements of an all-gather of several dtypes sent as bytes, read from FSDP2's
-    ``foreach_all_gather`` (the caller), else None: the gather's profiler label carries the count for
-    benchmarks/suite/comm.py, since bytes alone do not tell elements of two sizes apart."""
-    if output.dtype != torch.uint8:
-        return None
-    caller = sys._getframe(2).f_locals  # foreach_all_gather -> GlooAllGather.__call__ -> here
-    dtypes, numels = caller.get("param_all_gather_input_dtypes"), caller.get("param_all_gather_input_numels")
-    if dtypes is None or numels is None or len({d for ds in dtypes for d in ds}) < 2:
-        return None
-    return world * sum(n for ns in numels for n in ns)
-
-
 class GlooAllGather(_PlainAlloc, _AGBase):
     """All-gather on gloo: by a ring of send/recv from ``min_numel`` output elements."""
 
@@ -387,16 +359,10 @@ class GlooAllGather(_PlainAlloc, _AGBase):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> Optional[dist.Work]:
         finish_in_flight()  # [Note: reduce-scatters in flight]: their sends go first, on every rank
-        world = dist.get_world_size(group)
-        elements = _mixed_gather_elements(output_tensor, world)
         if output_tensor.numel() < self.min_numel:
             all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            if elements is None:
-                return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
-            with torch.profiler.record_function(f"{AG_LABEL}#{output_tensor.dtype}#{world}#{next(_ring_numbers)}"
-                                                f"#{elements}"):  # its elements, for the benchmarks' count
-                return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
-        steps = _ring_all_gather_steps(output_tensor.view(-1), input_tensor.view(-1), group, elements)
+            return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        steps = _ring_all_gather_steps(output_tensor.view(-1), input_tensor.view(-1), group)
         if not async_op:
             _run(steps)
             return None  # done: FSDP2 waits on nothing
@@ -548,71 +514,6 @@ def install_mixed_wire(fsdp_module: Any, low: "dict[Any, torch.dtype]", *, overl
     if len(dtypes) != 1:
         raise ValueError(f"one FSDP2 group can send its gradients in one low dtype, got {sorted(map(str, dtypes))}.")
     fsdp_module.set_custom_reduce_scatter(MixedWireReduceScatter(mine, dtypes.pop(), overlap=overlap))
-    return True
-
-
-# [Note: safe modules gathered in the low dtype below stage 3]
-# Under "-mixed" autocast casts the weights of the ``lower_precision_safe_modules`` (the Linears)
-# to the low dtype at every call, so at stages 1-2 FSDP2 all-gathered them in fp32 only for
-# autocast to round them afterwards. In a group with a MixedWireReduceScatter (gloo) their
-# FSDPParams now gather in that dtype themselves (the precision plugin names it,
-# ``CommDtypePolicy.gather_dtype``), as stage 3's separate groups do: one all-gather of mixed
-# dtypes, which FSDP2 sends as bytes; the same rounding (to nearest even, in the all-gather's
-# copy-in instead of autocast's cast), so the Linears compute on the same bits; half the bytes of
-# those weights cross the wire and are copied out, and autocast has no weight to cast. FSDP2 takes
-# one ``param_dtype`` per group, so it is set per parameter after FSDP2's own dtype setup
-# (``_init_mp_dtypes``, at lazy init), with ``reduce_dtype`` fp32: a group's reduction wants one
-# gradient dtype, so before the post-backward their low gradients become fp32 (the cast autocast's
-# backward made, ToCopyBackward, now made once per step instead of per use), accumulated in fp32
-# between micro-batches as FSDP2 does for any ``reduce_dtype`` ([Note: stage 1 accumulation
-# dtype] holds), and the zero gradient FSDP2 reduces for a parameter unused on this rank is made
-# fp32 too. Measured (the suite's GPT, bare loop, stage 2 bf16-mixed, 2 ranks, 60 steps,
-# alternating runs): forward 23.9-24.1 -> 21.2-21.9 ms, step 71.7-72.3 -> 69.1-70.9 ms, gathered
-# bytes 13.1 -> 6.5 MiB a step; parameters after 12 steps bit for bit those of the fp32 gather at
-# stages 1 and 2. Outside autocast the Linears compute in the low dtype: calls outside the step
-# methods run under the precision plugin's autocast, as at stage 3 ([Note: a stage-3 model called
-# after fit] in apply.py, ``gathers_in_other_dtypes``). Off gloo (NCCL) the safe modules are a
-# group of their own and still gather in fp32: not measured on a GPU yet.
-def gather_in_low_dtype(fsdp_module: Any, low: "dict[Any, torch.dtype]") -> bool:
-    """Make the FSDPParams of ``low``'s modules (module -> dtype) in ``fsdp_module``'s group gather in that dtype (the Note)."""
-    group = fsdp_module._get_fsdp_state()._fsdp_param_group
-    dtypes = {id(m): d for m, d in low.items()}
-    if group is None or not any(id(fp._module_info.module) in dtypes for fp in group.fsdp_params):
-        return False
-    init_mp_dtypes, post_backward = group._init_mp_dtypes, group.post_backward
-    lows: list[Any] = []
-
-    def init_then_gather_low() -> None:
-        init_mp_dtypes()
-        lows.clear()
-        for fp in group.fsdp_params:
-            dtype = dtypes.get(id(fp._module_info.module))
-            if (dtype is None or fp.param_dtype is not None or fp.orig_dtype == dtype
-                    or not fp.orig_dtype.is_floating_point or getattr(fp, "offload_to_cpu", False)
-                    or hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")):  # FP8 all-gathers its own way
-                continue
-            fp.param_dtype, fp.reduce_dtype = dtype, fp.orig_dtype
-            lows.append(fp)
-
-    @functools.wraps(post_backward)
-    def fp32_gradients_then_post_backward(*args: Any, **kwargs: Any) -> Any:
-        # FSDP2's zeros for unused parameters (torch 2.13's flag; on torch 2.11 the unused tracker gives
-        # them before this runs), but not in torch 2.11's repeated call ([Note: FSDP2 across torch versions])
-        zeros = (group.reduce_grads and getattr(group, "reduce_scatter_unused_params", False)
-                 and not repeated_post_backward(group, "low_gather"))
-        for fp in lows:
-            param = getattr(fp, "_unsharded_param", None)
-            if param is None:
-                continue
-            fp.accumulate_unsharded_grad_if_needed()  # into an fp32 sum an earlier micro-batch left
-            fp.to_accumulated_grad_if_needed()  # else the low gradient, as fp32
-            if zeros and fp.unsharded_accumulated_grad is None and param.grad is None and param.requires_grad:
-                fp.unsharded_accumulated_grad = torch.zeros(param.shape, dtype=fp.orig_dtype, device=param.device)
-        return post_backward(*args, **kwargs)
-
-    group._init_mp_dtypes = init_then_gather_low
-    group.post_backward = fp32_gradients_then_post_backward
-    group._ampzero_gathers_low = True
     return True
 
 
