@@ -152,9 +152,9 @@ class MemoryReport(Callback):
         Wraps the methods on each param group instance (FSDP2 calls them by attribute), so only
         this model is affected, and only on sampled steps: a sample walks every parameter. It wraps
         what the instance holds, which may be the strategy's own wrapper (the unused-parameter
-        tracker and gradient offload wrap ``post_backward``), and puts that
-        back afterwards: wrapping the class's method skipped them on sampled steps and unhooking
-        then dropped them for the rest of the run.
+        tracker and gradient offload wrap ``post_backward``), and puts that back afterwards:
+        wrapping the class's method skipped them on sampled steps, and unhooking then dropped them
+        for the rest of the run.
         """
         for group in fsdp_param_groups(pl_module):
             held = {}
