@@ -52,14 +52,13 @@ class ZeroConfig(FromDict, section="zero"):
         wrap_modules: class names of the modules that become communication units before bucketing.
             Empty = automatic: the repeated blocks (classes occurring at least twice inside a
             ModuleList/Sequential), e.g. transformer blocks.
-        overlap_comm: stages 1-2 on gloo (CPU), with a model of several groups: leave each group's
-            gradient reduce-scatter in flight while backward goes on, and all-gather the next
-            group's parameters while the current one computes its forward (DeepSpeed's key of the
-            same name). Gradients are final when ``backward()`` returns either way; code that runs
-            *during* backward and reads another group's ``.grad`` needs ``False`` ([Note:
+        overlap_comm: stages 1-3 on gloo (CPU), with a model of several groups: leave each group's
+            gradient reduce-scatter in flight while backward goes on, and (stages 1-2) all-gather
+            the next group's parameters while the current one computes its forward (DeepSpeed's
+            key of the same name). Gradients are final when ``backward()`` returns either way; code
+            that runs *during* backward and reads another group's ``.grad`` needs ``False`` ([Note:
             reduce-scatters in flight] in lightning_ampzero/zero/comm.py). Stage 0 (DDP's buckets)
-            and CUDA (FSDP2's streams) always overlap, stage 3 on gloo never does: ``False`` there
-            has no effect, with a warning.
+            and CUDA (FSDP2's streams) always overlap: ``False`` there has no effect, with a warning.
         find_unused_parameters: stage 0 (DDP): look, after each backward, for parameters it gave no
             gradient, so that DDP does not wait for them. ``None`` = under manual optimization only
             (a GAN backpropagates through one network at a time), as stages 1-3 (FSDP2) allow

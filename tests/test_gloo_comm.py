@@ -112,15 +112,26 @@ def test_the_traffic_counter_reads_the_all_reduce_and_the_ring_as_what_they_stan
         # a plain all-reduce (DDP's): 2n
         event("c10d::allreduce_", 400, 50, [[[500]]], ["TensorList"]),
         event("gloo:all_reduce", 412, 40, [[500]], ["float"]),
+        # all-gathers of several dtypes sent as bytes (stage 3 -mixed on gloo: bf16 Linears, fp32
+        # LayerNorms), 2 ranks of 500 bf16 + 125 fp32 elements each: 1250 elements, 3000 bytes, by
+        # the ring and by gloo's own all-gather; the label's last field is the element count
+        event("ampzero::all_gather#torch.uint8#2#9#1250", 1200, 100),
+        event("c10d::send", 1210, 10, [[[1500]]], ["TensorList"]),
+        event("gloo:send", 1212, 5, [[1500]], ["unsigned char"]),
+        event("c10d::recv_", 1230, 10, [[[1500]]], ["TensorList"]),
+        event("gloo:recv", 1232, 5, [[1500]], ["unsigned char"]),
+        event("ampzero::all_gather#torch.uint8#2#10#1250", 1400, 100),
+        event("c10d::_allgather_base_", 1410, 50, [[3000], [1500]], ["unsigned char", "unsigned char"]),
+        event("gloo:all_gather", 1412, 40, [[1500]], ["unsigned char"]),
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     r = parse_trace(str(path))
     assert r["by_kind"]["reduce_scatter"] == {"calls": 3, "elements": 5000, "bytes": 20000}
-    assert r["by_kind"]["all_gather"] == {"calls": 2, "elements": 2000, "bytes": 4000}
+    assert r["by_kind"]["all_gather"] == {"calls": 4, "elements": 4500, "bytes": 10000}
     assert r["by_kind"]["all_reduce"] == {"calls": 1, "elements": 1000, "bytes": 4000}
     assert "p2p" not in r["by_kind"]
-    assert r["bytes_by_dtype"] == {"fp32": 24000, "bf16": 4000}
+    assert r["bytes_by_dtype"] == {"fp32": 24000, "bf16": 4000, "uint8": 6000}
 
 
 def _ring_against_gloo(rank: int, world: int) -> dict:

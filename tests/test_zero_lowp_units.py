@@ -1,17 +1,18 @@
-"""bf16-mixed on FSDP2: the ``lower_precision_safe_modules`` of a unit share ONE low-precision group
-(stage 3), or no group of their own at all (stages 1-2 on gloo: their unit's group sends their
-gradients in bf16, [Note: one group, two wire dtypes] in zero/comm.py).
+"""bf16-mixed on FSDP2: the ``lower_precision_safe_modules`` of a unit have no group of their own on
+gloo: their unit's group sends their gradients in bf16 ([Note: one group, two wire dtypes] in
+zero/comm.py) and, at stage 3, gathers their parameters in bf16 ([Note: safe modules gathered in
+the low dtype inside their unit's group]).
 
 2 CPU ranks (gloo), the small GPT, stages 1-3, bare loop (autocast + AdamW) over ``apply_zero``:
 
 * collectives per step, counted at the c10d dispatcher (every all-gather / reduce-scatter passes
-  through it): stage 3, 2 groups per block (its Linears, the rest) + the leftovers, against one
-  group per Linear before; stages 1-2, one group per block, reduce-scattering its Linears' part in
-  bf16 and the rest in fp32; Linear gradients reduced (and under stage 3 gathered) in bf16, the rest in fp32;
+  through it): one group per block, reduce-scattering its Linears' part in bf16 and the rest in
+  fp32, against one group per Linear before; at stage 3 one all-gather of bf16 Linears and fp32
+  LayerNorms (as bytes) per block and pass, the bytes counted;
 * the same losses and final parameters, bit for bit, as the layout with one unit per Linear
-  (the same arithmetic per element), and losses within 1e-5 of DDP with the bf16 comm hook (the
-  tolerance of test_precision.py's stage agreement);
-* stage 3: explicit prefetch covers the nested Linear groups, in the order FSDP2 runs the groups.
+  (each Linear gathered and reduced in bf16 by a group of its own), and losses within 1e-5 of DDP
+  with the bf16 comm hook (the tolerance of test_precision.py's stage agreement);
+* stage 3: explicit prefetch follows the order FSDP2 runs the groups in.
 """
 
 from __future__ import annotations
@@ -75,22 +76,24 @@ def _collectives():
         def __init__(self):
             super().__init__()
             self.calls: list[tuple[str, str]] = []
+            self.bytes: Counter = Counter()  # bytes of each collective's output, by op
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace == "c10d":
                 out = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
                 self.calls.append((func._opname.strip("_"), str(out.dtype).removeprefix("torch.")))
+                self.bytes[func._opname.strip("_")] += out.numel() * out.element_size()
             return func(*args, **(kwargs or {}))
 
     return Collectives()
 
 
 def _train(model, rank, record=False):
-    """STEPS AdamW steps on this rank's batches; losses and the last step's collectives."""
+    """STEPS AdamW steps on this rank's batches; losses, the last step's collectives and their output bytes by op."""
     import torch.nn.functional as F
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, calls = [], []
+    losses, calls, nbytes = [], [], Counter()
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(100 * step + rank)
         idx = torch.randint(0, 256, (2, 9), generator=gen)
@@ -103,8 +106,8 @@ def _train(model, rank, record=False):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        calls = mode.calls
-    return losses, calls
+        calls, nbytes = mode.calls, mode.bytes
+    return losses, calls, nbytes
 
 
 def _full(model):
@@ -206,12 +209,15 @@ def _body(rank, world_size, stage):
     out["groups"] = _groups(grouped)
     out["prefetch"] = _prefetch_chains(grouped)
     out["order"] = _execution_order(grouped) if stage == 3 else None
-    out["losses"], out["calls"] = _train(grouped, rank)
+    out["losses"], out["calls"], out["bytes"] = _train(grouped, rank)
+    linear = {id(p) for m in per_module for p in m.parameters()}  # the Linears' parameters (fsdp_policies')
+    out["numels"] = (sum(p.numel() for p in grouped.parameters() if id(p) in linear),
+                     sum(p.numel() for p in grouped.parameters() if id(p) not in linear))
     out["params"] = _full(grouped)
 
     per_linear = _gpt()
     _per_linear_layout(per_linear, mesh, cfg, *_policies(per_linear, stage))
-    out["per_linear_losses"], out["per_linear_calls"] = _train(per_linear, rank)
+    out["per_linear_losses"], out["per_linear_calls"], _ = _train(per_linear, rank)
     out["per_linear_params"] = _full(per_linear)
 
     # All blocks in one unit (the default bucket, 5e8 elements): still one Linear group for them.
@@ -220,12 +226,12 @@ def _body(rank, world_size, stage):
     apply_zero(whole, mesh, ZeroConfig(stage=stage, param_persistence_threshold=0), root, module_policies=per_module)
     out["whole_groups"] = _groups(whole)
     out["whole_root"] = _groups(whole, root=True)
-    out["whole_losses"], out["whole_calls"] = _train(whole, rank)
+    out["whole_losses"], out["whole_calls"], _ = _train(whole, rank)
 
     ref = _gpt()
     ddp = torch.nn.parallel.DistributedDataParallel(ref)
     register_reduce_dtypes(ddp, ddp_reduce_dtypes(dtype_plan("bf16-mixed", PrecisionConfig()), ref))
-    out["ddp_losses"], _ = _train(ddp, rank)
+    out["ddp_losses"], _, _ = _train(ddp, rank)
     return out
 
 
@@ -243,54 +249,49 @@ def test_linears_of_a_unit_are_one_group(run):
     stage, results = run
     groups = results[0]["groups"]
     whole = results[0]["whole_groups"]
-    linears = tuple(f"blocks.{b}.{n}" for b in range(N_LAYER) for n in LINEARS)
+    # On gloo the Linears stay in their unit's group, which sends their gradients in bf16 and the
+    # LayerNorms' in fp32 (the unit of ln_f and the head likewise); at stage 3 they also gather in
+    # bf16 there ([Note: safe modules gathered in the low dtype inside their unit's group]).
+    assert groups == sorted(
+        [((f"blocks.{b}",), ("None", "bfloat16+float32")) for b in range(N_LAYER)]
+        + [(("wte", "wpe"), ("None", "None")), (("ln_f", "head"), ("None", "bfloat16+float32"))]
+    )
     if stage == 3:
-        low = "torch.bfloat16"
-        expected = sorted(
-            [(tuple(f"blocks.{b}.{n}" for n in LINEARS), (low, "torch.bfloat16")) for b in range(N_LAYER)]
-            + [((f"blocks.{b}",), ("None", "None")) for b in range(N_LAYER)]
-            + [(("wte", "wpe"), ("None", "None")), (("ln_f",), ("None", "None")), (("head",), (low, "torch.bfloat16"))]
-        )
-        assert groups == expected
-        assert (linears, (low, "torch.bfloat16")) in whole
-        assert (tuple(f"blocks.{b}" for b in range(N_LAYER)), ("None", "None")) in whole
-        assert len(whole) == 5
+        # the default bucket: the blocks are one unit (one group), as are ln_f and the head
+        assert whole == sorted([(tuple(f"blocks.{b}" for b in range(N_LAYER)), ("None", "bfloat16+float32")),
+                                (("wte", "wpe"), ("None", "None")), (("ln_f", "head"), ("None", "bfloat16+float32"))])
     else:
-        # Below stage 3 on gloo the Linears stay in their unit's group, which sends their
-        # gradients in bf16 and the LayerNorms' in fp32 (the unit of ln_f and the head likewise).
-        assert groups == sorted(
-            [((f"blocks.{b}",), ("None", "bfloat16+float32")) for b in range(N_LAYER)]
-            + [(("wte", "wpe"), ("None", "None")), (("ln_f", "head"), ("None", "bfloat16+float32"))]
-        )
         # A model that fits one bucket is one unit, the root: one group, two wire dtypes.
         assert whole == []
         assert results[0]["whole_root"] == [(("",), ("None", "bfloat16+float32"))]
 
 
 @pytest.mark.slow  # the run fixture: 3 spawns of 2 ranks, about 40 s in all
-def test_collectives_per_step_two_per_block_and_their_dtypes(run):
+def test_collectives_per_step_one_group_per_block_and_their_dtypes(run):
     stage, results = run
     passes = 2 if stage == 3 else 1  # stage 3 gathers again for backward
     for r in results:
         got = Counter(r["calls"])
         # one unit per Linear before: 4 per block + the head
         assert len(r["per_linear_calls"]) == (passes + 1) * (5 * N_LAYER + 3)
-        if stage == 3:
-            linear_groups, fp32_groups = N_LAYER + 1, N_LAYER + 2  # + head / + wte,wpe and ln_f
-            want = Counter({("allgather_base", "bfloat16"): passes * linear_groups,
-                            ("reduce_scatter_base", "bfloat16"): linear_groups,
-                            ("allgather_base", "float32"): passes * fp32_groups,
-                            ("reduce_scatter_base", "float32"): fp32_groups})
-            assert got == want, (stage, got)
-            # the model in one bucket: the blocks' Linears, their LayerNorms, wte+wpe, ln_f, head
-            assert len(r["whole_calls"]) == (passes + 1) * 5
-            continue
-        # Below stage 3: one group per block (its Linears' gradients in bf16, the rest in fp32),
-        # wte+wpe (fp32) and ln_f+head (both): one all-gather each, one reduce-scatter per wire dtype.
-        want = Counter({("allgather_base", "float32"): N_LAYER + 2,
+        # One group per block (its Linears' gradients in bf16, the rest in fp32), wte+wpe (fp32) and
+        # ln_f+head (both): one all-gather each (two at stage 3), one reduce-scatter per wire dtype.
+        # At stage 3 the groups with Linears gather bf16 and fp32 parameters in one all-gather, as bytes.
+        mixed_gather = "uint8" if stage == 3 else "float32"
+        want = Counter({("allgather_base", mixed_gather): passes * (N_LAYER + 1),
                         ("reduce_scatter_base", "bfloat16"): N_LAYER + 1,
                         ("reduce_scatter_base", "float32"): N_LAYER + 2})
+        want[("allgather_base", "float32")] += passes  # wte+wpe
         assert got == want, (stage, got)
+        linear, rest = r["numels"]
+        # the bytes gathered: the Linears' in bf16 at stage 3, everything else in fp32 (2 ranks' shards)
+        assert r["bytes"]["allgather_base"] == passes * ((2 if stage == 3 else 4) * linear + 4 * rest)
+        if stage == 3:
+            # the model in one bucket: the blocks, wte+wpe and ln_f+head, each gathered twice
+            assert Counter(r["whole_calls"]) == Counter({("allgather_base", "uint8"): 4, ("allgather_base", "float32"): 2,
+                                                         ("reduce_scatter_base", "bfloat16"): 2,
+                                                         ("reduce_scatter_base", "float32"): 3})
+            continue
         # the model in one bucket: the root alone, one all-gather and a reduce-scatter per dtype
         assert Counter(r["whole_calls"]) == Counter({("allgather_base", "float32"): 1,
                                                      ("reduce_scatter_base", "bfloat16"): 1,
@@ -315,11 +316,10 @@ def test_stage3_prefetch_follows_execution_order(run):
     if stage != 3:
         pytest.skip("explicit prefetch is a stage-3 setting")
     fwd, bwd = results[0]["prefetch"]
-    # one group ahead (prefetch_bucket_size=1); a block's own group before its Linears in both passes
-    order = ["wte"] + [g for b in range(N_LAYER) for g in (f"blocks.{b}", f"blocks.{b}.attn.qkv")] + ["ln_f", "head"]
-    assert fwd == {a: [b] for a, b in zip(order, order[1:])} | {"head": []}
-    back = ["head", "ln_f"] + [g for b in reversed(range(N_LAYER)) for g in (f"blocks.{b}", f"blocks.{b}.attn.qkv")]
-    back += ["wte"]
+    # one group ahead (prefetch_bucket_size=1); one group per block, its Linears inside it
+    order = ["wte"] + [f"blocks.{b}" for b in range(N_LAYER)] + ["ln_f"]
+    assert fwd == {a: [b] for a, b in zip(order, order[1:])} | {"ln_f": []}
+    back = order[::-1]
     assert bwd == {a: [b] for a, b in zip(back, back[1:])} | {"wte": []}
     # the orders FSDP2 itself ran the groups in (pre-forward, pre-backward hooks)
     assert results[0]["order"] == (order, back)
@@ -372,8 +372,14 @@ def _persistent_body(rank: int, world: int) -> dict:
     from lightning_ampzero.config import ZeroConfig
     from lightning_ampzero.zero.apply import apply_zero
 
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     model = _gpt()
     root, per_module = _policies(model, 3)
+    # The Linears as groups of their own (plain policies: on gloo fsdp_policies' CommDtypePolicy would
+    # keep them in their block's group), so that small groups sit between large ones in the chain.
+    low = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=True)
+    per_module = {m: low for m in per_module}
     # The blocks' fp32 rest (2 LayerNorms, 128 elements) and ln_f (64) fall under the threshold and
     # stay gathered; the Linear groups (~12.5k elements), wte+wpe and head are resharded.
     cfg = ZeroConfig(stage=3, reduce_bucket_size=ONE_BLOCK_PER_UNIT, param_persistence_threshold=1_000,
@@ -413,7 +419,7 @@ def _stage2_layouts_body(rank, world_size):
             per_module = {m: MixedPrecisionPolicy(reduce_dtype=torch.bfloat16, cast_forward_inputs=True)
                           for m in per_module}
         apply_zero(model, mesh, ZeroConfig(stage=2, param_persistence_threshold=0), root, module_policies=per_module)
-        losses, calls = _train(model, rank)
+        losses, calls, _ = _train(model, rank)
         out[layout] = {"groups": _groups(model, root=True), "losses": losses, "params": _full(model),
                        "calls": Counter(calls)}
     # what the strategy asks for
@@ -460,10 +466,15 @@ def test_the_mesh_decides_how_the_safe_modules_gradients_travel(monkeypatch, bac
     root, per_module = _policies(model, stage)
     before = dict(per_module)
     wire = apply._wire_dtypes(_StubMesh(), ZeroConfig(stage=stage), root, per_module)
-    if stage == 3:  # a bf16 group of their own (they gather in bf16)
-        assert wire == {} and per_module == before
-    elif backend == "gloo":  # in their unit's group, sent in bf16
+    own_group = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=True)
+    if backend == "gloo":  # in their unit's group, sent (and at stage 3 gathered) in bf16
         assert set(wire) == set(before) and set(wire.values()) == {torch.bfloat16} and per_module == {}
+        if stage == 3:  # parameters offloaded to the host: a bf16 group of their own, as off gloo
+            offloaded = dict(before)
+            assert apply._wire_dtypes(_StubMesh(), ZeroConfig(stage=3), root, offloaded, offload=True) == {}
+            assert set(offloaded) == set(before) and set(offloaded.values()) == {own_group}
+    elif stage == 3:  # a bf16 group of their own (they gather in bf16)
+        assert wire == {} and set(per_module) == set(before) and set(per_module.values()) == {own_group}
     elif stage == 1:  # a group of their own, accumulated in fp32, cast for the wire (LowPrecisionReduceScatter)
         assert wire == {} and per_module == before
         assert {type(p) for p in per_module.values()} == {CommDtypePolicy}

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from typing import Any
+from typing import Any, Optional
 
 DTYPE_BYTES = {
     "float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4,
@@ -81,16 +81,20 @@ _TORCH_DTYPES = {"torch.float32": "float", "torch.bfloat16": "c10::BFloat16", "t
                  "torch.float64": "double", "torch.uint8": "unsigned char", "torch.int32": "int"}
 
 
-def _count(kinds: dict, by_dtype: dict, kind: str, moved: int, dtype: str) -> None:
+def _count(kinds: dict, by_dtype: dict, kind: str, moved: int, dtype: str, nbytes: Optional[int] = None) -> None:
+    """``nbytes``: the bytes moved, where ``moved`` elements are not all of ``dtype`` (a gather of several dtypes)."""
+    nbytes = moved * DTYPE_BYTES.get(dtype, 4) if nbytes is None else nbytes
     k = kinds.setdefault(kind, {"calls": 0, "elements": 0, "bytes": 0})
     k["calls"] += 1
     k["elements"] += moved
-    k["bytes"] += moved * DTYPE_BYTES.get(dtype, 4)
-    by_dtype[DTYPE_NAMES.get(dtype, dtype)] += moved * DTYPE_BYTES.get(dtype, 4)
+    k["bytes"] += nbytes
+    by_dtype[DTYPE_NAMES.get(dtype, dtype)] += nbytes
 
 
-def _count_ring(ring: dict, label: tuple, stands_for: str, moved: int, dtype: str) -> None:
-    entry = ring.setdefault(label, [stands_for, 0, dtype])
+def _count_ring(ring: dict, label: tuple, stands_for: str, moved: int, dtype: str,
+                elements: Optional[int] = None) -> None:
+    """``moved`` of ``dtype`` per send; ``elements``: the label's count of a ring of several dtypes sent as bytes."""
+    entry = ring.setdefault(label, [stands_for, 0, dtype, elements])
     entry[1] += moved
 
 
@@ -128,20 +132,33 @@ def parse_trace(path: str) -> dict:
         types = args.get("Input type") or []
         counted = dims[index] if index < len(dims) else []
         n = _numel(counted)
-        label = next((lb for lb in labels if name in ("c10d::allreduce_", "c10d::send", "c10d::recv_")
+        label = next((lb for lb in labels if name in ("c10d::allreduce_", "c10d::send", "c10d::recv_",
+                                                      "c10d::_allgather_base_")
                       and lb.get("tid") == e.get("tid") and lb["ts"] <= e["ts"] <= lb["ts"] + lb.get("dur", 0)), None)
+        if label is not None and name == "c10d::_allgather_base_":
+            # gloo's own all-gather of several dtypes sent as bytes: "<...>#<ring number>#<elements>"
+            mixed = int(label["name"].split("#")[-1])
+            key = _first_shape_numel(dims[1] if len(dims) > 1 else counted)
+            if pool.get(key):
+                pool[key].pop(0)
+            _count(kinds, by_dtype, kind, mixed, "unsigned char", nbytes=n)
+            elements += mixed
+            continue
         if label is not None and name != "c10d::allreduce_":
             # a ring of send/recv (zero/comm.py): its sends, (N-1)/N of the collective's buffer, as bytes
             # "<collective>#<dtype>#<world>", and "#<ring number>" when each step of a ring is
             # labelled on its own (zero/comm.py): one collective per ring number
+            # "#<elements>" after the ring number: an all-gather of several dtypes sent as bytes
             stands_for, torch_dtype, world, *number = label["name"].split("::", 1)[1].split("#")
+            mixed = int(number.pop()) if len(number) == 2 else None
             key = _first_shape_numel(counted)
             if pool.get(key):
                 pool[key].pop(0)
             if name == "c10d::send":
                 dtype = _TORCH_DTYPES.get(torch_dtype, "?")
                 moved = n * int(world) // (int(world) - 1) // DTYPE_BYTES.get(dtype, 4)
-                _count_ring(ring, tuple(number) or (label["ts"], label.get("tid")), stands_for, moved, dtype)
+                _count_ring(ring, tuple(number) or (label["ts"], label.get("tid")), stands_for, moved, dtype,
+                            mixed)
             continue
         if label is not None:
             stands_for, torch_dtype = label["name"].split("::", 1)[1].split("#")[:2]
@@ -161,7 +178,11 @@ def parse_trace(path: str) -> dict:
         moved = factor * n
         _count(kinds, by_dtype, kind, moved, dtype)
         elements += moved
-    for stands_for, moved, dtype in ring.values():  # one collective per label, however many sends
+    for stands_for, moved, dtype, mixed in ring.values():  # one collective per label, however many sends
+        if mixed is not None:  # ``moved`` counted bytes
+            _count(kinds, by_dtype, stands_for, mixed, dtype, nbytes=moved * DTYPE_BYTES.get(dtype, 4))
+            elements += mixed
+            continue
         _count(kinds, by_dtype, stands_for, moved, dtype)
         elements += moved
     return {

@@ -21,7 +21,7 @@ _ZERO: dict[str, Any] = {
     "cpu_offload": _HANDLED,
     "cpu_offload_params": _HANDLED,
     "cpu_offload_use_pin_memory": _HANDLED,
-    "overlap_comm": "zero.overlap_comm",  # stages 1-2 (convert_zero: a note at stages 0 and 3)
+    "overlap_comm": "zero.overlap_comm",  # stages 1-3 (convert_zero: a note at stage 0)
     "contiguous_gradients": _NoEffect("FSDP2 reduces gradients from contiguous buffers already"),
     "reduce_scatter": _NoEffect("stages 2-3 always reduce-scatter gradients"),
     "allgather_partitions": _NoEffect("parameters are always all-gathered per communication unit"),
@@ -80,11 +80,9 @@ def convert_zero(conv: Any, z: dict[str, Any]) -> None:
     if not z:
         return
     stage = z.get("stage", 0)
-    if stage in (0, 3) and z.get("overlap_comm") is not None:
+    if stage == 0 and z.get("overlap_comm") is not None:
         z = {k: v for k, v in z.items() if k != "overlap_comm"}
-        conv.no_effect.append(("zero_optimization.overlap_comm", (
-            "stage 0 is DDP, whose all-reduce always overlaps backward" if stage == 0 else
-            "at stage 3 FSDP2 overlaps its collectives on CUDA streams and runs them in order on gloo")))
+        conv.no_effect.append(("zero_optimization.overlap_comm", "stage 0 is DDP, whose all-reduce always overlaps backward"))
     if stage == 3 and z.get("allgather_bucket_size") is not None:
         # DeepSpeed's stage-3 optimizer is not given it (its all-gathers follow the prefetch bucket);
         # here it would shrink the units (the smaller of the two bucket sizes): a trial saw 1e8 applied.

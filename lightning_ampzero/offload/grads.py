@@ -64,6 +64,7 @@ from lightning_ampzero.offload.store import (
     round_up,
     swap_file_problem,
 )
+from lightning_ampzero.zero.comm import finish_in_flight
 from lightning_ampzero.zero.groups import has_local_gradient, repeated_post_backward
 
 _ALIGN = 64  # bytes: every shard starts aligned for any dtype's view of the map
@@ -183,6 +184,9 @@ class GradSwapper:
                     e.fsdp_param.sharded_param.grad = None
             try:
                 post_backward(*args)
+                # The reduce-scatter may still be in flight ([Note: reduce-scatters in flight] in
+                # zero/comm.py): the file takes its output now, so it has to be there.
+                finish_in_flight()
             except BaseException:
                 for e, grad in held:
                     if e.fsdp_param.sharded_param.grad is None:

@@ -183,9 +183,9 @@ class AmpZeroPrecision(Precision):
 
         "-mixed" with no ``communication_data_type``: the ``lower_precision_safe_modules``
         modules get a low-dtype policy, reducing in the low dtype and, under stage 3,
-        all-gathering in it (there apply_zero shards the safe modules of each unit together as one
-        group inside it: [Note: low-precision groups]). Below stage 3 how their low-dtype gradients
-        travel depends on the mesh and is decided by ``apply_zero`` (``_wire_dtypes``).
+        all-gathering in it. How (a group of their own inside each unit, [Note: low-precision groups],
+        or on gloo inside the unit's group) depends on the mesh and is decided by ``apply_zero``
+        (``_wire_dtypes``).
         """
         return fsdp_policies(self.plan, module, stage)
 

@@ -108,9 +108,10 @@ def fsdp_policies(plan: DtypePlan, model: nn.Module, stage: int) -> tuple[object
 
     "-true": every unit gathers parameters in the low dtype and reduces in ``reduce_dtype``.
     "-mixed": parameters stay fp32 (autocast casts per op); the safe modules reduce in the low
-    dtype. Under stage 3 they get a policy (and group) of their own that also all-gathers in it
-    (autocast would cast their weights to it anyway, so the forward is unchanged; the gather
-    moves half the bytes). Below stage 3 they get a :class:`~lightning_ampzero.zero.comm.CommDtypePolicy`:
+    dtype. Under stage 3 they also all-gather in it (autocast would cast their weights to it
+    anyway, so the forward is unchanged; the gather moves half the bytes): a
+    :class:`~lightning_ampzero.zero.comm.CommDtypePolicy` with ``gather_dtype``, a group of their
+    own, or on gloo their parameters inside their unit's group. Below stage 3 they get a :class:`~lightning_ampzero.zero.comm.CommDtypePolicy`:
     gradients kept and accumulated in fp32, sent in the low dtype. How that is sent (in the unit's
     own group on gloo, in a group of their own elsewhere) depends on the mesh and is decided by
     ``apply_zero`` (``_wire_dtypes``).
@@ -130,6 +131,11 @@ def fsdp_policies(plan: DtypePlan, model: nn.Module, stage: int) -> tuple[object
         # Accumulate in fp32 between micro-batches, send in the low dtype: see
         # [Note: stage 1 accumulation dtype] in zero/comm.py.
         safe: MixedPrecisionPolicy = CommDtypePolicy(cast_forward_inputs=True, comm_dtype=plan.safe_reduce_dtype)
+    elif HAS_CUSTOM_REDUCE_SCATTER:
+        # Gathered and sent in the low dtype, in a group of their own or (gloo) inside their unit's:
+        # [Note: safe modules gathered in the low dtype inside their unit's group] in zero/comm.py.
+        safe = CommDtypePolicy(param_dtype=plan.low_dtype, reduce_dtype=plan.safe_reduce_dtype, cast_forward_inputs=True,
+                               comm_dtype=plan.safe_reduce_dtype, gather_dtype=plan.low_dtype)
     else:
         safe = MixedPrecisionPolicy(
             param_dtype=plan.low_dtype if stage == 3 else None,

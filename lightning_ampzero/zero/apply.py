@@ -33,6 +33,8 @@ from lightning_ampzero.zero.comm import (
     HAS_CUSTOM_REDUCE_SCATTER,
     CommDtypePolicy,
     LowPrecisionReduceScatter,
+    cast_inputs_to,
+    gather_in_low_dtype,
     install_gloo_comms,
     install_mixed_wire,
 )
@@ -100,8 +102,9 @@ def _policy_groups(
     bf16-mixed GPT (benchmarks/results/bf16_mixed_units/): one FSDP2 unit per Linear took 41 / 61
     / 121 collectives per step at stages 1 / 2 / 3 and 1.3-1.7x DeepSpeed's step time; grouped,
     11 / 16 / 31 and 0.92-1.12x, with identical losses (a model that fits one bucket has since become
-    one unit below stage 3: [Note: units below stage 3] in units.py; and below stage 3 on gloo the
-    safe modules no longer need a group at all: [Note: one group, two wire dtypes] in comm.py). A module inside another of the same group
+    one unit below stage 3: [Note: units below stage 3] in units.py; and on gloo the safe modules
+    no longer need a group at all: [Note: one group, two wire dtypes] and [Note: safe modules
+    gathered in the low dtype inside their unit's group] in comm.py). A module inside another of the same group
     is covered by it; groups nested in one another are sharded innermost first (bottom-up, as
     every FSDP2 unit). ``stop``: ids of the modules of units sharded before this one (inside it):
     their modules belong to them (:func:`lightning_ampzero.zero.units.region`).
@@ -196,7 +199,8 @@ def apply_zero(
     scalars = scalar_parameters(model)  # [Note: 0-dim parameters] in scalars.py: replicated
     units = plan_units(model, cfg.wrap_modules, cfg.unit_size, cfg.stage)  # [Note: units below stage 3]
     module_policies = dict(module_policies or {})
-    wire = _wire_dtypes(mesh, cfg, mp_policy, module_policies)
+    gather = {m: p.gather_dtype for m, p in module_policies.items() if getattr(p, "gather_dtype", None) is not None}
+    wire = _wire_dtypes(mesh, cfg, mp_policy, module_policies, offload=type(offload_policy) is not OffloadPolicy)
     names = {id(m): n for n, m in model.named_modules()}
 
     # Every fully_shard call is one FSDP2 group, planned first (in the order they are sharded:
@@ -223,9 +227,9 @@ def apply_zero(
     _check_one_group_per_parameter(model, [g for g, _ in plan], names)
 
     groups: list[Unit] = []
-    # [Note: reduce-scatters in flight] in comm.py: below stage 3 nothing reads a unit's reduced
-    # gradients before backward ends (stage 3's gradient offload reads them at once).
-    overlap = cfg.stage < 3 and cfg.overlap_comm
+    # [Note: reduce-scatters in flight] in comm.py: nothing reads a unit's reduced gradients before
+    # backward ends (stage 3's gradient offload, which does, finishes them first: offload/grads.py).
+    overlap = cfg.overlap_comm
     gloo: list[Unit] = []  # groups given the ring collectives
     # Forward order: a group's forward starts at its first module to run (module pre-order; see the
     # prefetch below). [Note: reuse distance] in units.py keeps the last ones gathered for their backward.
@@ -246,12 +250,17 @@ def apply_zero(
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy,
                 ignored_params=scalars or None)
     average_scalar_gradients(scalars, mesh, model)
-    if mesh.ndim == 1 and install_gloo_comms(model, mesh.get_group(), overlap=overlap) and overlap and gloo:
+    if mesh.ndim == 1 and install_gloo_comms(model, mesh.get_group(), overlap=overlap) and overlap and gloo and cfg.stage < 3:
         _prefetch_forward_on_gloo(model, gloo)
     if wire:  # [Note: one group, two wire dtypes] in comm.py; a safe module's submodules are it
         owners = {sub: dtype for m, dtype in wire.items() for sub in m.modules()}
+        # stage 3: [Note: safe modules gathered in the low dtype inside their unit's group] in comm.py
+        low = {sub: gather[m] for m in wire if m in gather for sub in m.modules()} if cfg.stage == 3 else {}
         for target in [g.modules[0] for g in groups] + [model]:
-            install_mixed_wire(target, owners, overlap=overlap)
+            if install_mixed_wire(target, owners, overlap=overlap) and low:
+                gather_in_low_dtype(target, low)
+        for module in (m for m in wire if m in gather and cfg.stage == 3):
+            cast_inputs_to(module, gather[module])
     # [Note: buffer broadcast] in zero/buffers.py: running statistics as DDP keeps them.
     # Every rank of the mesh holds a replica of the buffers (FSDP2 shards parameters only).
     install_buffer_broadcast(model, mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())
@@ -330,15 +339,13 @@ def _hook_view_bases(module: nn.Module) -> None:
 
 def overlap_comm_note(cfg: ZeroConfig, backend: str) -> Optional[str]:
     """Why ``zero.overlap_comm=False`` does nothing with this stage and backend, or None where it acts."""
-    if cfg.overlap_comm or (cfg.stage in (1, 2) and backend == "gloo"):
+    if cfg.overlap_comm or (cfg.stage in (1, 2, 3) and backend == "gloo"):
         return None
     if cfg.stage == 0:
         why = "stage 0 is DDP, whose bucketed all-reduce always runs beside backward"
-    elif backend != "gloo":
-        why = f"on {backend}, FSDP2 overlaps its collectives on its own CUDA streams"
     else:
-        why = "stage 3 on gloo runs every collective to the end before going on already"
-    return (f"zero.overlap_comm=False has no effect here: {why}. It acts at stages 1-2 on gloo (CPU);"
+        why = f"on {backend}, FSDP2 overlaps its collectives on its own CUDA streams"
+    return (f"zero.overlap_comm=False has no effect here: {why}. It acts at stages 1-3 on gloo (CPU);"
             " drop the setting to silence this warning.")
 
 
@@ -361,34 +368,45 @@ def _prefetch_forward_on_gloo(model: nn.Module, groups: list[Unit]) -> None:
 
 
 def _wire_dtypes(mesh: DeviceMesh, cfg: ZeroConfig, mp_policy: MixedPrecisionPolicy,
-                 module_policies: dict[nn.Module, MixedPrecisionPolicy]) -> dict[nn.Module, torch.dtype]:
+                 module_policies: dict[nn.Module, MixedPrecisionPolicy], *,
+                 offload: bool = False) -> dict[nn.Module, torch.dtype]:
     """Decide, from the mesh, how the modules of a :class:`CommDtypePolicy` reduce; edits ``module_policies``.
 
-    The precision plugin asks, below stage 3, that the ``lower_precision_safe_modules`` accumulate
-    their gradients in fp32 and send them in the low dtype (CommDtypePolicy). How is a sharding
-    matter, decided here where the mesh is known:
+    The precision plugin asks that the ``lower_precision_safe_modules`` send their gradients in
+    the low dtype (CommDtypePolicy), below stage 3 accumulating them in fp32, at stage 3 also
+    gathering their parameters in it (``gather_dtype``). How is a sharding matter, decided here
+    where the mesh is known:
 
     * a 1-D gloo mesh: the modules stay in their unit's group and a MixedWireReduceScatter sends
       their part of its gradients in the low dtype ([Note: one group, two wire dtypes] in comm.py);
-      returned as ``{module: wire dtype}`` and removed from ``module_policies``;
+      at stage 3 their parameters also gather in the low dtype inside that group ([Note: safe
+      modules gathered in the low dtype inside their unit's group] in comm.py), unless parameters
+      are offloaded (``offload``: FSDP2 copies those in from the host its own way); returned as
+      ``{module: wire dtype}`` and removed from ``module_policies``;
     * stage 1 elsewhere: a group of their own with LowPrecisionReduceScatter ([Note: stage 1
       accumulation dtype] in comm.py);
     * stage 2 elsewhere: a group of their own reduce-scattered in the low dtype by FSDP2 itself
       (stage 2 accumulates the fp32 shards, so only the wire is low; on CUDA FSDP2's packing
-      into a low-dtype buffer is cheap and halves the transient buffer).
+      into a low-dtype buffer is cheap and halves the transient buffer);
+    * stage 3 elsewhere: a group of their own gathered and reduce-scattered in the low dtype by FSDP2.
     """
     wire: dict[nn.Module, torch.dtype] = {}
-    if cfg.stage == 3 or not HAS_CUSTOM_REDUCE_SCATTER:
+    if not HAS_CUSTOM_REDUCE_SCATTER:
         return wire
     gloo = mesh.ndim == 1 and dist.get_backend(mesh.get_group()) == "gloo"
     for module, policy in list(module_policies.items()):
         if not isinstance(policy, CommDtypePolicy) or policy.comm_dtype is None:
             continue
-        same_compute = (policy.param_dtype, policy.reduce_dtype) == (mp_policy.param_dtype, mp_policy.reduce_dtype)
-        if gloo and same_compute:
+        if cfg.stage == 3:
+            together = gloo and not offload and policy.gather_dtype is not None and policy.reduce_dtype == policy.comm_dtype
+            same_compute = (mp_policy.param_dtype, mp_policy.reduce_dtype) == (None, None)
+        else:
+            together = gloo
+            same_compute = (policy.param_dtype, policy.reduce_dtype) == (mp_policy.param_dtype, mp_policy.reduce_dtype)
+        if together and same_compute:
             wire[module] = policy.comm_dtype
             del module_policies[module]
-        elif cfg.stage == 2:
+        elif cfg.stage >= 2:
             module_policies[module] = MixedPrecisionPolicy(
                 param_dtype=policy.param_dtype, reduce_dtype=policy.comm_dtype, output_dtype=policy.output_dtype,
                 cast_forward_inputs=policy.cast_forward_inputs)
@@ -525,6 +543,8 @@ def gathers_in_other_dtypes(model: nn.Module) -> bool:
     from lightning_ampzero.memory import fsdp_param_groups
 
     for group in fsdp_param_groups(model):
+        if getattr(group, "_ampzero_gathers_low", False):  # per parameter: gather_in_low_dtype in comm.py
+            return True
         wanted = group.mp_policy.param_dtype  # (FSDPParam's own dtype attributes exist only after lazy init)
         if wanted is not None and any(fp.sharded_param.dtype != wanted for fp in group.fsdp_params):
             return True

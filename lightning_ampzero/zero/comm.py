@@ -38,6 +38,7 @@ from gloo's, as between any two all-reduce algorithms. The all-gather only moves
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from lightning_ampzero.zero.groups import repeated_post_backward
 
 try:  # the custom-comm API of FSDP2 (torch >= 2.8); without it stage 1 keeps FSDP2's rule
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGather
@@ -67,9 +70,15 @@ class CommDtypePolicy(MixedPrecisionPolicy):
     gloo the modules stay in their unit's group and its :class:`MixedWireReduceScatter` sends their
     part in ``comm_dtype``; elsewhere at stage 1 they are a group of their own with a
     :class:`LowPrecisionReduceScatter`, at stage 2 a group FSDP2 reduce-scatters in ``comm_dtype``.
+
+    ``gather_dtype`` (stage 3): the dtype these modules' parameters are all-gathered in, autocast's.
+    On gloo they stay in their unit's group and only their parameters gather in it ([Note: safe
+    modules gathered in the low dtype inside their unit's group]); elsewhere it is their group's
+    ``param_dtype``.
     """
 
     comm_dtype: Optional[torch.dtype] = None
+    gather_dtype: Optional[torch.dtype] = None
 
 
 class _PlainAlloc:
@@ -198,13 +207,20 @@ def _lockstep(*parts: Steps) -> Steps:
             yield works
 
 
-def _ring_all_gather_steps(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> Steps:
-    """``output`` (1-D) = every rank's ``input``, in rank order. Step s passes on chunk (rank - s)."""
+def _ring_all_gather_steps(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                           elements: Optional[int] = None) -> Steps:
+    """``output`` (1-D) = every rank's ``input``, in rank order. Step s passes on chunk (rank - s).
+
+    ``elements``: the parameter elements ``output`` holds when it holds several dtypes as bytes
+    (added to the label, for benchmarks/suite/comm.py's count of elements).
+    """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = output.view(world, -1)
     if input.data_ptr() != chunks[rank].data_ptr():  # FSDP2 copies in place: usually the same
         chunks[rank].copy_(input.view(-1))
     label = f"{AG_LABEL}#{output.dtype}#{world}#{next(_ring_numbers)}"  # as the reduce-scatter's
+    if elements is not None:
+        label += f"#{elements}"
     for step in range(world - 1):
         with torch.profiler.record_function(label):
             works = _exchange(chunks[(rank - step) % world], chunks[(rank - step - 1) % world], group, rank, world)
@@ -225,9 +241,11 @@ def _ring_all_gather_steps(output: torch.Tensor, input: torch.Tensor, group: dis
 # on the exchange, the adds, the division, the copies back) runs before the next reduce-scatter
 # starts, or at the end of backward from an autograd final callback (queued once per backward,
 # after FSDP2's own, so the root's late reductions are finished too). The same operations run on
-# the same buffers in the same order, so the bits are those of the blocking call. Stages 1-2 only
-# (``overlap``): stage 3's gradient offload reads the output as soon as FSDP2 returns
-# (offload/grads.py). The all-gathers of stages 1-2 are prefetched the same way (:class:`GlooAllGather`
+# the same buffers in the same order, so the bits are those of the blocking call. Stages 1-3
+# (``overlap``); stage 3's gradient offload, which reads the output as soon as FSDP2 returns,
+# finishes it first (offload/grads.py). At stage 3 on the suite's GPT (bare loop, bf16-mixed,
+# alternating runs) the backward went from 63.5-64.0 to 59.2-59.7 ms. The all-gathers of
+# stages 1-2 are prefetched the same way (:class:`GlooAllGather`
 # returns a Work whose ``wait()`` finishes the ring; apply.py ``_prefetch_forward_on_gloo``).
 # It matters for a model of several groups below stage 3 (beyond one bucket, ``reduce_bucket_size``,
 # 5e8 elements by default; [Note: units below stage 3] in units.py): the suite's GPT with
@@ -245,8 +263,8 @@ def _ring_all_gather_steps(output: torch.Tensor, input: torch.Tensor, group: dis
 # final ones in the groups reduced before it). A post-accumulate-grad
 # hook on the group's own parameters is detected and keeps the group blocking; the others cannot
 # be seen from here, so such code needs ``zero.overlap_comm=False`` (DeepSpeed's key; every
-# collective then finishes before backward goes on, and the all-gathers are not prefetched), stage
-# 3, or a model of one group (the default below ``reduce_bucket_size`` elements). Tested both ways
+# collective then finishes before backward goes on, and the all-gathers are not prefetched), or,
+# below stage 3, a model of one group (the default below ``reduce_bucket_size`` elements). Tested both ways
 # in tests/test_comm_in_flight.py.
 _in_flight: list[Steps] = []
 _callback_task = -1  # the backward (autograd graph task) whose final callback finishes them
@@ -350,6 +368,19 @@ class GlooReduceScatter(_PlainAlloc, _RSBase):
             output_tensor.div_(world)
 
 
+def _mixed_gather_elements(output: torch.Tensor, world: int) -> Optional[int]:
+    """The parameter elements of an all-gather of several dtypes sent as bytes, read from FSDP2's
+    ``foreach_all_gather`` (the caller), else None: the gather's profiler label carries the count for
+    benchmarks/suite/comm.py, since bytes alone do not tell elements of two sizes apart."""
+    if output.dtype != torch.uint8:
+        return None
+    caller = sys._getframe(2).f_locals  # foreach_all_gather -> GlooAllGather.__call__ -> here
+    dtypes, numels = caller.get("param_all_gather_input_dtypes"), caller.get("param_all_gather_input_numels")
+    if dtypes is None or numels is None or len({d for ds in dtypes for d in ds}) < 2:
+        return None
+    return world * sum(n for ns in numels for n in ns)
+
+
 class GlooAllGather(_PlainAlloc, _AGBase):
     """All-gather on gloo: by a ring of send/recv from ``min_numel`` output elements."""
 
@@ -359,10 +390,16 @@ class GlooAllGather(_PlainAlloc, _AGBase):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> Optional[dist.Work]:
         finish_in_flight()  # [Note: reduce-scatters in flight]: their sends go first, on every rank
+        world = dist.get_world_size(group)
+        elements = _mixed_gather_elements(output_tensor, world)
         if output_tensor.numel() < self.min_numel:
             all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
-        steps = _ring_all_gather_steps(output_tensor.view(-1), input_tensor.view(-1), group)
+            if elements is None:
+                return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+            with torch.profiler.record_function(f"{AG_LABEL}#{output_tensor.dtype}#{world}#{next(_ring_numbers)}"
+                                                f"#{elements}"):  # its elements, for the benchmarks' count
+                return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        steps = _ring_all_gather_steps(output_tensor.view(-1), input_tensor.view(-1), group, elements)
         if not async_op:
             _run(steps)
             return None  # done: FSDP2 waits on nothing
@@ -396,7 +433,7 @@ class MixedWireReduceScatter(_PlainAlloc, _RSBase):
     in fp32. FSDP2 takes one reduce dtype per group, so below stage 3 those modules used to be a
     group of their own inside each unit ([Note: low-precision groups] in apply.py): per unit
     two all-gathers, two reduce-scatters and FSDP2's forward hooks on every safe module. On a
-    gloo mesh below stage 3 they now stay in their unit's group, which packs every gradient in
+    gloo mesh they now stay in their unit's group, which packs every gradient in
     fp32 as usual; this reduce-scatter splits the packed input by parameter into a low-dtype
     buffer (divided by the world size, then cast, as :class:`LowPrecisionReduceScatter`) and
     an fp32 one (summed, then divided, as the fp32 group's :class:`GlooReduceScatter`), reduces
@@ -405,7 +442,8 @@ class MixedWireReduceScatter(_PlainAlloc, _RSBase):
     same operations as in the two-group layout, so with 2 ranks the bits are the same (with more,
     an fp32 part under the threshold is summed in ring order rather than gloo's); the step loses
     a group's hooks and collectives (benchmarks/README.md, issue 16).
-    At stage 3 the safe modules also gather in the low dtype, which needs a group of its own.
+    At stage 3 the safe modules also gather in the low dtype, per parameter inside the same group
+    ([Note: safe modules gathered in the low dtype inside their unit's group]).
 
     Which parameters FSDP2 packed, in which order: those with a gradient this backward, in group
     order, one padded shard per parameter and rank. FSDP2 passes that list to its reduction
@@ -515,6 +553,89 @@ def install_mixed_wire(fsdp_module: Any, low: "dict[Any, torch.dtype]", *, overl
         raise ValueError(f"one FSDP2 group can send its gradients in one low dtype, got {sorted(map(str, dtypes))}.")
     fsdp_module.set_custom_reduce_scatter(MixedWireReduceScatter(mine, dtypes.pop(), overlap=overlap))
     return True
+
+
+# [Note: safe modules gathered in the low dtype inside their unit's group]
+# At stage 3 under "-mixed" the ``lower_precision_safe_modules`` (the Linears) all-gather in the
+# low dtype: autocast casts their weights to it at every call anyway, so the forward computes on
+# the same bits and the gathers move half the bytes. FSDP2 takes one ``param_dtype`` per group,
+# so they used to be a group of their own inside each unit ([Note: low-precision groups] in
+# apply.py): two groups per block, each gathered twice (forward, backward) and reduce-scattered
+# once, and the suite's GPT (4 blocks) made 15 collectives a step where stage 2 makes 3. On gloo
+# each of those small collectives waits about 1 ms and FSDP2's hooks cost CPU time on each group
+# (issue 16's profile: bf16-mixed stage 3 about 20 ms a step behind stage 2 with the same bytes).
+# On a 1-D gloo mesh they now stay in their unit's group: their FSDPParams gather in the low dtype
+# (set per parameter after FSDP2's own dtype setup, ``_init_mp_dtypes`` at lazy init; FSDP2 sends
+# an all-gather of several dtypes as bytes), the rest in fp32, in one collective; the group's
+# reduction wants one gradient dtype, so before its post-backward their low gradients become fp32
+# (exact; ``reduce_dtype`` fp32 for them, accumulated in fp32 between micro-batches as FSDP2 does
+# for any ``reduce_dtype``), and the group's MixedWireReduceScatter sends them in the low dtype as
+# their own group's reduce-scatter did ([Note: one group, two wire dtypes]); the zero gradient FSDP2
+# reduces for a parameter unused on this rank is made fp32 too. Their group also cast their
+# floating inputs to the low dtype (``cast_forward_inputs``): a forward pre-hook on each module
+# keeps that (``cast_inputs_to``), so a Linear called under ``autocast(enabled=False)`` computes
+# in the low dtype as before rather than failing on mixed dtypes. Parameters offloaded to the host
+# and FP8 weights (which all-gather their own way) keep the group of their own, as does any mesh
+# other than 1-D gloo (NCCL: not measured on a GPU yet). Below stage 3 the Linears gather in fp32:
+# gathering them low there too measured 2-3 ms faster a step, but outside the module's own call
+# (a weight read for a penalty, a Linear under ``autocast(enabled=False)``) the low gathered
+# weight differed from stage 0's, where stages 1-2 promise its bits (a new-user trial, issue 16).
+def gather_in_low_dtype(fsdp_module: Any, low: "dict[Any, torch.dtype]") -> bool:
+    """Make the FSDPParams of ``low``'s modules (module -> dtype) in ``fsdp_module``'s group gather in that dtype
+    ([Note: safe modules gathered in the low dtype inside their unit's group])."""
+    group = fsdp_module._get_fsdp_state()._fsdp_param_group
+    dtypes = {id(m): d for m, d in low.items()}
+    if group is None or not any(id(fp._module_info.module) in dtypes for fp in group.fsdp_params):
+        return False
+    init_mp_dtypes, post_backward = group._init_mp_dtypes, group.post_backward
+    lows: list[Any] = []
+
+    def init_then_gather_low() -> None:
+        init_mp_dtypes()
+        lows.clear()
+        for fp in group.fsdp_params:
+            dtype = dtypes.get(id(fp._module_info.module))
+            if (dtype is None or fp.param_dtype is not None or fp.orig_dtype == dtype
+                    or not fp.orig_dtype.is_floating_point or getattr(fp, "offload_to_cpu", False)
+                    or hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")):  # FP8 all-gathers its own way
+                continue
+            fp.param_dtype, fp.reduce_dtype = dtype, fp.orig_dtype
+            lows.append(fp)
+
+    @functools.wraps(post_backward)
+    def fp32_gradients_then_post_backward(*args: Any, **kwargs: Any) -> Any:
+        # FSDP2's zeros for unused parameters (torch 2.13's flag; on torch 2.11 the unused tracker gives
+        # them before this runs), but not in torch 2.11's repeated call ([Note: FSDP2 across torch versions])
+        zeros = (group.reduce_grads and getattr(group, "reduce_scatter_unused_params", False)
+                 and not repeated_post_backward(group, "low_gather"))
+        for fp in lows:
+            param = getattr(fp, "_unsharded_param", None)
+            if param is None:
+                continue
+            fp.accumulate_unsharded_grad_if_needed()  # into an fp32 sum an earlier micro-batch left
+            fp.to_accumulated_grad_if_needed()  # else the low gradient, as fp32
+            if zeros and fp.unsharded_accumulated_grad is None and param.grad is None and param.requires_grad:
+                fp.unsharded_accumulated_grad = torch.zeros(param.shape, dtype=fp.orig_dtype, device=param.device)
+        return post_backward(*args, **kwargs)
+
+    group._init_mp_dtypes = init_then_gather_low
+    group.post_backward = fp32_gradients_then_post_backward
+    group._ampzero_gathers_low = True
+    return True
+
+
+def cast_inputs_to(module: Any, dtype: torch.dtype) -> None:
+    """Cast ``module``'s floating-point forward inputs to ``dtype``, as FSDP2's ``cast_forward_inputs`` did for its
+    group of its own ([Note: safe modules gathered in the low dtype inside their unit's group])."""
+    from torch.utils._pytree import tree_map
+
+    def cast(tensor: Any) -> Any:
+        return tensor.to(dtype) if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() else tensor
+
+    def pre_hook(module: Any, args: Any, kwargs: Any) -> Any:
+        return tree_map(cast, (args, kwargs))
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
 def install_gloo_comms(fsdp_module: Any, group: dist.ProcessGroup, *, reduce_scatter: bool = True,

@@ -189,6 +189,15 @@ def _unit_policies(module) -> list[list[str]]:
     return rows
 
 
+def _gathered_dtypes(module) -> dict[str, str]:
+    """Module name -> the dtype FSDP2 all-gathers its parameters in (after the first step)."""
+    from lightning_ampzero.memory import fsdp_param_groups
+
+    names = {id(m): n for n, m in module.named_modules()}
+    return {names[id(fp._module_info.module)]: str(fp.param_dtype or fp.orig_dtype)
+            for group in fsdp_param_groups(module) for fp in group.fsdp_params}
+
+
 def run_train(cfg: str, args) -> dict[str, Any]:
     stage, precision, *rest = cfg.split(":")
     clip = rest[0] if rest else "none"
@@ -217,6 +226,7 @@ def run_train(cfg: str, args) -> dict[str, Any]:
                                     for k, v in s.items() if k != "step" and torch.is_tensor(v)}),
         "grad_dtypes": sorted(grads),
         "units": _unit_policies(model) if int(stage) > 0 else [],
+        "gathered": _gathered_dtypes(model) if int(stage) > 0 else {},
         "skipped_steps": plugin.scaler.stats()["skipped_steps"],
         "scale": plugin.scaler.get_scale(),
         "precision_state": plugin.state_dict(),
