@@ -250,7 +250,9 @@ def apply_zero(
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy, offload_policy=offload_policy,
                 ignored_params=scalars or None)
     average_scalar_gradients(scalars, mesh, model)
-    if mesh.ndim == 1 and install_gloo_comms(model, mesh.get_group(), overlap=overlap) and overlap and gloo and cfg.stage < 3:
+    # Stage 3 has its own prefetch chain (below); starting its all-gathers asynchronously measured no gain.
+    if (mesh.ndim == 1 and install_gloo_comms(model, mesh.get_group(), overlap=overlap) and overlap and gloo
+            and cfg.stage < 3):
         _prefetch_forward_on_gloo(model, gloo)
     if wire:  # [Note: one group, two wire dtypes] in comm.py; a safe module's submodules are it
         owners = {sub: dtype for m, dtype in wire.items() for sub in m.modules()}
