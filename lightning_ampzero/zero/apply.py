@@ -199,7 +199,9 @@ def apply_zero(
     scalars = scalar_parameters(model)  # [Note: 0-dim parameters] in scalars.py: replicated
     units = plan_units(model, cfg.wrap_modules, cfg.unit_size, cfg.stage)  # [Note: units below stage 3]
     module_policies = dict(module_policies or {})
-    gather = {m: p.gather_dtype for m, p in module_policies.items() if getattr(p, "gather_dtype", None) is not None}
+    # stage 3: [Note: safe modules gathered in the low dtype inside their unit's group] in comm.py
+    gather = {m: p.gather_dtype for m, p in module_policies.items()
+              if cfg.stage == 3 and getattr(p, "gather_dtype", None) is not None}
     wire = _wire_dtypes(mesh, cfg, mp_policy, module_policies, offload=type(offload_policy) is not OffloadPolicy)
     names = {id(m): n for n, m in model.named_modules()}
 
@@ -256,12 +258,11 @@ def apply_zero(
         _prefetch_forward_on_gloo(model, gloo)
     if wire:  # [Note: one group, two wire dtypes] in comm.py; a safe module's submodules are it
         owners = {sub: dtype for m, dtype in wire.items() for sub in m.modules()}
-        # stage 3: [Note: safe modules gathered in the low dtype inside their unit's group] in comm.py
-        low = {sub: gather[m] for m in wire if m in gather for sub in m.modules()} if cfg.stage == 3 else {}
+        low = {sub: gather[m] for m in wire if m in gather for sub in m.modules()}
         for target in [g.modules[0] for g in groups] + [model]:
             if install_mixed_wire(target, owners, overlap=overlap) and low:
                 gather_in_low_dtype(target, low)
-        for module in (m for m in wire if m in gather and cfg.stage == 3):
+        for module in (m for m in wire if m in gather):
             cast_inputs_to(module, gather[module])
     # [Note: buffer broadcast] in zero/buffers.py: running statistics as DDP keeps them.
     # Every rank of the mesh holds a replica of the buffers (FSDP2 shards parameters only).

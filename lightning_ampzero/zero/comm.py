@@ -627,13 +627,10 @@ def gather_in_low_dtype(fsdp_module: Any, low: "dict[Any, torch.dtype]") -> bool
 def cast_inputs_to(module: Any, dtype: torch.dtype) -> None:
     """Cast ``module``'s floating-point forward inputs to ``dtype``, as FSDP2's ``cast_forward_inputs`` did for its
     group of its own ([Note: safe modules gathered in the low dtype inside their unit's group])."""
-    from torch.utils._pytree import tree_map
-
-    def cast(tensor: Any) -> Any:
-        return tensor.to(dtype) if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() else tensor
+    from lightning_ampzero.precision.ddp import _cast_floats
 
     def pre_hook(module: Any, args: Any, kwargs: Any) -> Any:
-        return tree_map(cast, (args, kwargs))
+        return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
 
     module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
