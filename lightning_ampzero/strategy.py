@@ -38,6 +38,7 @@ from typing import Any, Generator, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
@@ -109,6 +110,28 @@ FREED_IN_BACKWARD = (
     " network in a child module of its own (self.generator, self.discriminator: units never span two),"
     " run the forward again after the other step, or make the model one unit (stages 1-2:"
     " zero.reduce_bucket_size above its parameter count)."
+)
+
+
+# [Note: a loss computed from a shard]
+# At stage 3 a unit's parameters are whole only inside the unit's forward (and its backward); read
+# anywhere else in a step method (an L2 penalty on ``self.model.layers[0].mlp.up_proj.weight``
+# before or after ``self.model(...)``), a parameter is this rank's shard, a DTensor. So it is at
+# stages 1-2 before the forward, in a model of several units (more parameters than
+# ``zero.reduce_bucket_size``; [Note: units below stage 3] in zero/units.py). Arithmetic
+# with it is DTensor arithmetic, so the term, and the loss it is added to, become DTensors, and
+# torch's backward then stopped deep in the model with "aten.nll_loss_backward.default got mixed
+# torch.Tensor and DTensor" (a new-user trial). ``term.full_tensor()`` is the term's whole value,
+# and its gradient reaches the shard as DDP's does (tests/test_zero_shard_in_step.py measures it), so the
+# message says that. A model of one unit (the default below stage 3) is gathered when a step
+# method starts ([Note: backward inside a step method] in zero/apply.py), so there it is whole.
+SHARD_IN_LOSS = (
+    "The loss is a DTensor: part of it was computed from a parameter read outside its module's forward, where ZeRO"
+    " keeps it as this rank's shard, a DTensor (at stage 3, and at stages 1-2 in a model split into several units),"
+    " and torch's backward would stop with \"got mixed torch.Tensor and DTensor\". Take that term's whole value"
+    " before adding it to the loss: `term = term.full_tensor() if isinstance(term, DTensor) else term` (from"
+    " torch.distributed.tensor import DTensor; its gradient then equals DDP's), or compute it inside the module's"
+    " forward; for an L2 penalty on the weights, the optimizer's weight_decay does it without reading them."
 )
 
 
@@ -687,6 +710,8 @@ class AmpZeroStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         # [Note: a step interrupted by an exception] in zero/recover.py
         self._check_ddp_not_interrupted()
+        if isinstance(closure_loss, DTensor):  # [Note: a loss computed from a shard]
+            raise RuntimeError(SHARD_IN_LOSS)
         resync = self._rewrap_ddp_before_backward(closure_loss)
         # [Note: backward inside a step method] in zero/apply.py (manual optimization)
         prepare_manual_backward(self.model, closure_loss)

@@ -583,3 +583,58 @@ def test_wire_dtypes_survive_parameters_replaced_by_load_state_dict_assign():
         assert r[True]["losses"] == r[False]["losses"]
         for name, p in r[False]["params"].items():
             assert torch.equal(p, r[True]["params"][name]), name
+
+
+def _autocast_off_body(rank, world_size, stage, subclass):
+    import types
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_ampzero.config import ZeroConfig
+    from lightning_ampzero.zero.apply import apply_zero
+
+    model = _gpt()
+    dtypes = []
+
+    def mlp_forward(mlp, x):  # the block's output projection kept out of autocast, as a model may ask
+        h = mlp[1](mlp[0](x))
+        with torch.autocast("cpu", enabled=False):
+            out = mlp[2](h.float())
+        dtypes.append(str(out.dtype))
+        return out
+
+    model.blocks[0].mlp.forward = types.MethodType(mlp_forward, model.blocks[0].mlp)
+    if subclass:  # the way out the warning gives: a class the safe list does not name
+        class FullPrecisionLinear(torch.nn.Linear):
+            pass
+
+        model.blocks[0].mlp[2].__class__ = FullPrecisionLinear
+    root, per_module = _policies(model, stage)
+    apply_zero(model, init_device_mesh("cpu", (world_size,)),
+               ZeroConfig(stage=stage, reduce_bucket_size=ONE_BLOCK_PER_UNIT, param_persistence_threshold=0),
+               root, module_policies=per_module)
+    tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(rank))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(tokens).float().sum().backward()
+    return dtypes, [(str(w.message), w.filename) for w in caught if "torch.autocast disabled" in str(w.message)]
+
+
+@pytest.mark.parametrize("stage,subclass", [(2, False), (3, False), (3, True)])
+def test_a_safe_linear_run_with_autocast_off_at_stage3_says_it_computed_in_bf16(stage, subclass):
+    # [Note: a safe module run with autocast off] in precision/policy.py. Before: bf16 at stage 3, silently.
+    for rank, (dtypes, warned) in enumerate(spawn(_autocast_off_body, world_size=2, args=(stage, subclass),
+                                                  timeout=120)):
+        if stage == 2 or subclass:  # gathered in fp32: the fp32 DDP computes, and nothing to say
+            assert dtypes == ["torch.float32"] * 2 and warned == []
+        else:
+            assert dtypes == ["torch.bfloat16"] * 2
+            assert len(warned) == (1 if rank == 0 else 0)  # once, not per call; rank 0 speaks for the ranks
+            if warned:
+                message, filename = warned[0]
+                assert message.startswith("blocks.0.mlp.2 (Linear) ran with torch.autocast disabled")
+                assert "class FullPrecisionLinear(nn.Linear)" in message
+                assert filename == __file__  # the line that called the Linear, in mlp_forward above

@@ -17,6 +17,7 @@ DeepSpeed's fp16/bf16 modes, with no second copy of the weights kept between ste
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -179,3 +180,51 @@ def check_device_support(precision: str, device_type: str) -> None:
             f"precision={precision!r} needs bfloat16, which this GPU does not support (compute capability"
             " 8.0+). Use precision='16-mixed' (float16 with loss scaling) instead."
         )
+
+
+# [Note: a safe module run with autocast off]
+# Stage 3 under "-mixed" gathers the lower_precision_safe_modules' weights in the low dtype
+# (autocast would cast them to it anyway), so inside ``torch.autocast(enabled=False)``, where a
+# model asks for full precision (a router or a final projection kept in fp32), such a Linear
+# computed in bf16 where DDP and stages 0-2 compute in fp32, with nothing said (a new-user trial,
+# issue 16's note). Its fp32 weight is only this rank's shard there; gathering it in fp32 would be
+# a collective no other rank may be making. So the first such call warns (rank 0, once: the ranks
+# run the same code), with the way out, pointing at the line that called the module.
+SAFE_MODULE_WITHOUT_AUTOCAST = (
+    "{name} ({cls}) ran with torch.autocast disabled at ZeRO stage 3 under a '-mixed' precision, on {dtype}"
+    " inputs: stage 3 gathers the weights of precision.lower_precision_safe_modules in {low}, so it computed in"
+    " {low} where DDP and stages 0-2 compute in {dtype}. To keep it in {dtype}, make it an instance of a subclass"
+    " (the list matches exact class names, e.g. `class FullPrecisionLinear(nn.Linear): pass`) or take '{cls}' out"
+    " of precision.lower_precision_safe_modules (its gradients then travel in fp32 too). This names the first such"
+    " call only; other safe modules run that way are not named."
+)
+
+
+def warn_if_run_without_autocast(module: nn.Module, name: str, low: torch.dtype) -> None:
+    """Warn, once and on rank 0, when ``module`` (gathered in ``low``) runs with autocast off on wider inputs."""
+
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if _warned_without_autocast:
+            return
+        for arg in (*args, *kwargs.values()):
+            if isinstance(arg, torch.Tensor) and arg.is_floating_point():
+                if arg.dtype.itemsize > low.itemsize and not torch.is_autocast_enabled(arg.device.type):
+                    _warned_without_autocast.append(name)
+                    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                        warnings.warn(SAFE_MODULE_WITHOUT_AUTOCAST.format(
+                            name=name or "the model", cls=type(module).__name__, dtype=arg.dtype, low=low),
+                            stacklevel=_caller_of_module_level())
+                return
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
+
+
+_warned_without_autocast: list[str] = []
+
+
+def _caller_of_module_level() -> int:
+    """The ``stacklevel`` of the code that called the module whose forward pre-hook calls ``warnings.warn``."""
+    frame, level = sys._getframe(2), 2  # level 2: the hook's caller, inside torch's Module.__call__
+    while frame is not None and frame.f_code.co_filename == nn.modules.module.__file__:
+        frame, level = frame.f_back, level + 1
+    return level

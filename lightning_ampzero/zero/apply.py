@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.utils._pytree import tree_leaves
 
 from lightning_ampzero.config import ZeroConfig
+from lightning_ampzero.precision.policy import warn_if_run_without_autocast
 from lightning_ampzero.zero.comm import (
     HAS_CUSTOM_REDUCE_SCATTER,
     CommDtypePolicy,
@@ -264,6 +265,8 @@ def apply_zero(
                 gather_in_low_dtype(target, low)
         for module in (m for m in wire if m in gather):
             cast_inputs_to(module, gather[module])
+    for module, dtype in gather.items():  # [Note: a safe module run with autocast off] in precision/policy.py
+        warn_if_run_without_autocast(module, names.get(id(module), ""), dtype)
     # [Note: buffer broadcast] in zero/buffers.py: running statistics as DDP keeps them.
     # Every rank of the mesh holds a replica of the buffers (FSDP2 shards parameters only).
     install_buffer_broadcast(model, mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())

@@ -292,14 +292,43 @@ def _foreach_reduce_locals() -> Optional[dict[str, Any]]:
 
 
 def _may_finish_later(output: torch.Tensor, caller: Optional[dict[str, Any]]) -> bool:
-    """Whether FSDP2's ``foreach_reduce`` (``caller``: its locals) reads ``output`` only after backward (the Note)."""
+    """Whether FSDP2's ``foreach_reduce`` (``caller``: its locals) reads ``output`` only after backward (the Note).
+
+    Where it does, the group's shards are first given the hook of [Note: a gradient straight to a shard]."""
     if caller is None or (caller.get("postdivide_factor") is not None or caller.get("all_reduce_group") is not None
                           or caller.get("all_reduce_hook") is not None
                           or caller.get("orig_dtype") not in (None, output.dtype)):
         return False
-    return all(fp.sharded_param.grad is None and not getattr(fp, "offload_to_cpu", False)
-               and not getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None)
-               for fp in caller["fsdp_params"])
+    params = caller["fsdp_params"]
+    if not all(fp.sharded_param.grad is None and not getattr(fp, "offload_to_cpu", False)
+               and not getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None) for fp in params):
+        return False
+    for fp in params:
+        _finish_before_direct_gradient(fp.sharded_param)
+    return True
+
+
+# [Note: a gradient straight to a shard]
+# A reduce-scatter left in flight makes each ``.grad`` of its group a view of its output, which
+# the ring is still filling. Autograd can add into that ``.grad`` later in the same backward: at
+# stage 3 a term computed in a step method from a parameter read outside its unit's forward (a
+# weight penalty, its whole value taken with ``full_tensor()``, [Note: a loss computed from a
+# shard] in strategy.py) sends its gradient to the shard itself, and the shard's accumulation runs
+# after the unit's post-backward. Its in-place add went into the buffer the ring then finished
+# writing, and the penalty's gradient was lost: a Llama's penalised weight grew where DDP's shrank
+# (tests/test_zero_shard_in_step.py; equal to DDP's with ``overlap_comm=False``). So each shard of
+# a group left in flight gets, once, a gradient hook that finishes the collectives in flight
+# before autograd accumulates into it: the add then lands on the final values, in the blocking
+# call's order (the same bits). The hook runs only when a gradient reaches the shard directly,
+# never in a plain step (gradients reach the gathered parameters there), so it costs nothing there.
+def _finish_before_direct_gradient(param: torch.Tensor) -> None:
+    if param.requires_grad and not getattr(param, "_ampzero_finish_hook", False):
+        param.register_hook(_finish_then_accumulate)
+        param._ampzero_finish_hook = True  # type: ignore[attr-defined]
+
+
+def _finish_then_accumulate(grad: torch.Tensor) -> None:
+    finish_in_flight()
 
 
 def finish_in_flight() -> None:
