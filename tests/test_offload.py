@@ -373,3 +373,32 @@ def test_swap_files_of_a_killed_run_are_removed_by_the_next(tmp_path):
     assert live.exists() and other_host.exists()
     opt.close()
     assert os.path.exists(other_host / "x.swp")
+
+
+def test_a_dead_swap_directory_another_rank_removes_meanwhile_is_no_error(tmp_path, monkeypatch):
+    # Ranks of one host clean the same dead directories at once; one rank's rglob met a directory
+    # the other had just removed, and its FileNotFoundError ended the setup (a CI run).
+    import shutil
+    import subprocess
+    import sys
+
+    from lightning_ampzero.offload import store
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = store._SWAP_DIR.match(store.swap_dir_name("params", 1))["host"]
+    entry = tmp_path / f"ampzero-params-rank1-{host}-{dead.pid}-0123abcd"
+    entry.mkdir()
+    (entry / "x.swp").write_bytes(b"\0" * 4096)
+    walk = Path.rglob
+
+    def removed_meanwhile(self, pattern):
+        for found in walk(self, pattern):
+            shutil.rmtree(entry)  # the other rank, between two steps of this walk
+            yield found
+            raise FileNotFoundError(2, "No such file or directory", str(entry))
+
+    monkeypatch.setattr(Path, "rglob", removed_meanwhile)
+    with pytest.warns(UserWarning, match="removed 1 swap directory of processes that no longer exist"):
+        store.remove_dead_swap_dirs(tmp_path)
+    assert not entry.exists()

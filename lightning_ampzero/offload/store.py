@@ -155,11 +155,14 @@ def remove_dead_swap_dirs(path: Path) -> list[tuple[Path, int]]:
         if m is None or m["host"] != host or not entry.is_dir() or _process_exists(int(m["pid"])):
             continue
         size = 0
-        for f in entry.rglob("*"):
-            try:
+        try:
+            for f in entry.rglob("*"):
                 size += f.stat().st_blocks * 512 if f.is_file() else 0
-            except OSError:
-                pass
+        except OSError:
+            # The other ranks of this host clean the same directory at the same time: one of them
+            # removed it (or a file of it) while this one walked it (a CI run: FileNotFoundError
+            # from rglob ended rank 1's setup).
+            pass
         shutil.rmtree(entry, ignore_errors=True)
         if not entry.exists():
             removed.append((entry, size))
