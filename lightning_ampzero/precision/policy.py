@@ -17,7 +17,6 @@ DeepSpeed's fp16/bf16 modes, with no second copy of the weights kept between ste
 
 from __future__ import annotations
 
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -211,20 +210,14 @@ def warn_if_run_without_autocast(module: nn.Module, name: str, low: torch.dtype)
                 if arg.dtype.itemsize > low.itemsize and not torch.is_autocast_enabled(arg.device.type):
                     _warned_without_autocast.append(name)
                     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                        from lightning_ampzero.zero.recover import user_stacklevel
+
                         warnings.warn(SAFE_MODULE_WITHOUT_AUTOCAST.format(
                             name=name or "the model", cls=type(module).__name__, dtype=arg.dtype, low=low),
-                            stacklevel=_caller_of_module_level())
+                            stacklevel=user_stacklevel())
                 return
 
     module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
 
 
 _warned_without_autocast: list[str] = []
-
-
-def _caller_of_module_level() -> int:
-    """The ``stacklevel`` of the code that called the module whose forward pre-hook calls ``warnings.warn``."""
-    frame, level = sys._getframe(2), 2  # level 2: the hook's caller, inside torch's Module.__call__
-    while frame is not None and frame.f_code.co_filename == nn.modules.module.__file__:
-        frame, level = frame.f_back, level + 1
-    return level

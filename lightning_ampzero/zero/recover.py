@@ -90,24 +90,25 @@ def reset_interrupted_step(model: nn.Module, *, in_step: bool = False) -> bool:
                 if getattr(fsdp_param, "_unsharded_param", None) is not None:
                     fsdp_param._unsharded_param.grad = None
     if not dist.is_initialized() or dist.get_rank() == 0:  # every rank resets; one says so
-        warnings.warn(INTERRUPTED_WARNING, stacklevel=_user_stacklevel())
+        warnings.warn(INTERRUPTED_WARNING, stacklevel=user_stacklevel())
     return True
 
 
-def _user_stacklevel() -> int:
-    """``stacklevel`` for a warning of :func:`reset_interrupted_step`: the innermost frame of the user's code.
+def user_stacklevel() -> int:
+    """``stacklevel`` for a warning issued by its caller: the innermost frame of the user's code.
 
-    The reset runs in a hook or around a step method, several frames below Lightning's loop, and a
-    fixed level named ``contextlib.py`` or torch's ``module.py``; the user's ``training_step`` (a
-    retry) or the line that called ``trainer.fit`` is where a ``warnings`` filter by module or file
-    should find it.
+    The reset (:func:`reset_interrupted_step`) runs in a hook or around a step method, several
+    frames below Lightning's loop, and a fixed level named ``contextlib.py`` or torch's
+    ``module.py``; the user's ``training_step`` (a retry) or the line that called ``trainer.fit``
+    is where a ``warnings`` filter by module or file should find it. A forward pre-hook's warning
+    (precision/policy.py) finds the line that called the module.
     """
     import lightning
     import lightning_utilities
 
     libraries = tuple(os.path.dirname(m.__file__) + os.sep
                       for m in (torch, lightning, lightning_utilities, sys.modules["lightning_ampzero"]))
-    frame, level = sys._getframe(1), 1  # level 1: the caller of warnings.warn, reset_interrupted_step
+    frame, level = sys._getframe(1), 1  # level 1: the caller of warnings.warn
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith(libraries) and name != contextlib.__file__:
