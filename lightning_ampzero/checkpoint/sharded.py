@@ -265,15 +265,20 @@ def load_sharded(
             " or save with save_weights_only=False to resume."
         )
     state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+    stateless: list[bool] = []  # per optimizer: parameters without a saved state were left out
     for i, opt in enumerate(optimizers):
-        state[f"optimizer_{i}"] = _without_unsaved_group_keys(get_optimizer_state_dict(module, opt), f"optimizer_{i}",
-                                                              saved)
+        optim_state, dropped = _without_unsaved_keys(get_optimizer_state_dict(module, opt), f"optimizer_{i}", saved)
+        state[f"optimizer_{i}"] = optim_state
+        stateless.append(dropped)
     present = {key: value for key, value in (extra or {}).items() if any(k.startswith(key + ".") for k in saved)}
     state.update(present)
     dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
     set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
-        set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"])
+        # [Note: parameters without a saved optimizer state]: torch refuses a trainable parameter
+        # without a state unless told not to be strict; only then, and only for those parameters.
+        set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"],
+                                 options=StateDictOptions(strict=not stateless[i]))
     return torch.load(path / METADATA_FILE, weights_only=bool(weights_only)), present
 
 
@@ -284,8 +289,8 @@ def _saved_keys(path: Path) -> Iterable[str]:
     return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
 
 
-def _without_unsaved_group_keys(optim_state: dict[str, Any], prefix: str, saved: set[str]) -> dict[str, Any]:
-    """``optim_state`` without the param-group settings the checkpoint does not hold.
+def _without_unsaved_keys(optim_state: dict[str, Any], prefix: str, saved: set[str]) -> tuple[dict[str, Any], bool]:
+    """``optim_state`` without what the checkpoint does not hold, and whether a parameter's state was left out.
 
     [Note: param-group settings added since the save] A learning-rate scheduler adds
     ``initial_lr`` to its optimizer's groups. Lightning's ``Tuner.lr_find`` attaches one after
@@ -293,10 +298,31 @@ def _without_unsaved_group_keys(optim_state: dict[str, Any], prefix: str, saved:
     run had not: DCP, loading into the live optimizer's layout, stopped on the key the checkpoint
     lacks (``Missing key in checkpoint state_dict: optimizer_0.param_groups.0.initial_lr``, at every
     stage; a new-user trial, issue 16's note). torch's ``Optimizer.load_state_dict`` takes the saved
-    groups as they are, so the live-only settings are left out of what is loaded, as there. The
-    states (moments, steps) are not filtered: a checkpoint without them is a mismatch to report.
+    groups as they are, so the live-only settings are left out of what is loaded, as there.
+
+    [Note: parameters without a saved optimizer state] A trainable parameter that never had a
+    gradient (a head used only in validation, a branch not taken yet) has no optimizer state when
+    the checkpoint is saved, since torch's optimizers create it at the first step that sees a
+    gradient. Loading into a fresh optimizer, torch's ``get_optimizer_state_dict`` creates a state
+    for every parameter (a step at lr 0), so DCP asked for keys the checkpoint never had and the
+    resume stopped (``Missing key in checkpoint state_dict: optimizer_0.state.head.weight.step``, at
+    stages 1-3; a new-user trial). Such a parameter is left out of what is loaded, and the load then
+    leaves it without a state, as the run that saved it had (``Optimizer.load_state_dict`` keeps
+    only the states it is given): its first gradient starts its moments and step count at zero, as
+    in the uninterrupted run. A parameter with part of its state saved is still a mismatch for DCP
+    to report.
     """
     for g, group in enumerate(optim_state.get("param_groups", [])):
         for key in [k for k in group if k != "params" and f"{prefix}.param_groups.{g}.{k}" not in saved]:
             del group[key]
-    return optim_state
+    states = optim_state.get("state", {})
+    # A state key is the parameter's FQN, then the state's name (``exp_avg``), then any nesting: a
+    # parameter has a saved state where its FQN is a dotted prefix of one (a parameter's FQN is
+    # never a prefix of another's, which goes through a module).
+    head = f"{prefix}.state."
+    with_state = {".".join(parts[:n]) for parts in (key[len(head):].split(".") for key in saved
+                                                    if key.startswith(head)) for n in range(1, len(parts))}
+    unsaved = [fqn for fqn in states if fqn not in with_state]
+    for fqn in unsaved:
+        del states[fqn]
+    return optim_state, bool(unsaved)
