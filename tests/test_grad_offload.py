@@ -30,15 +30,15 @@ from lightning_ampzero.offload import NvmeOffloadError
 
 
 # ---- our own loop on spawned ranks --------------------------------------------------------------
-def _blocks(width: int, depth: int, hidden: int) -> nn.Module:
+def _blocks(width: int, depth: int, hidden: int, head: int = 5) -> nn.Module:
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)) for _ in range(depth)]
-    return nn.Sequential(*layers, nn.Linear(width, 5))
+    return nn.Sequential(*layers, nn.Linear(width, head))
 
 
 def _setup(rank: int, world: int, root: str, *, grads: bool, width: int = 32, depth: int = 4, hidden: int = 64,
            unit: float = 3000, param_buffer_count: int = 3, param_buffer_size: float = 3000,
-           sub_group_size: float = 500, buffer_count: int = 6):
+           sub_group_size: float = 500, buffer_count: int = 6, head: int = 5):
     """Stage 3, parameters and optimizer on NVMe (as tests/test_param_offload.py), gradients swapped or not."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -47,7 +47,7 @@ def _setup(rank: int, world: int, root: str, *, grads: bool, width: int = 32, de
     from lightning_ampzero.offload.params import apply_param_offload
     from lightning_ampzero.zero.apply import apply_zero
 
-    model = _blocks(width, depth, hidden)
+    model = _blocks(width, depth, hidden, head)
     zero = ZeroConfig(stage=3, reduce_bucket_size=unit, allgather_bucket_size=unit, param_persistence_threshold=0,
                       prefetch_bucket_size=unit)
     apply_zero(model, init_device_mesh("cpu", (world,)), zero)
@@ -78,10 +78,11 @@ def _step(model, opt, g: torch.Generator, *, width: int = 32, batch: int = 8, ac
     return losses, norm
 
 
-def _train(rank: int, world: int, root: str, grads: bool, steps: int, accumulate: int, clip: float) -> dict:
+def _train(rank: int, world: int, root: str, grads: bool, steps: int, accumulate: int, clip: float,
+           head: int = 5) -> dict:
     from lightning_ampzero.estimate import model_size, nvme_traffic
 
-    model, opt, swapper, zero, _ = _setup(rank, world, root, grads=grads)
+    model, opt, swapper, zero, _ = _setup(rank, world, root, grads=grads, head=head)
     g = torch.Generator().manual_seed(rank)
     losses, norms, held = [], [], []
     for _ in range(steps):
@@ -99,7 +100,7 @@ def _train(rank: int, world: int, root: str, grads: bool, steps: int, accumulate
         opt.zero_grad()
     out = {"losses": losses, "norms": norms, "params": [p.to_local().detach().clone() for p in model.parameters()]}
     if swapper is not None:
-        size = model_size(_blocks(32, 4, 64), zero)
+        size = model_size(_blocks(32, 4, 64, head), zero)
         out.update(written=swapper.bytes_written, read=swapper.bytes_read, numel=swapper.numel, held=held,
                    peak_pending=swapper.peak_pending_bytes, n_params=len(list(model.parameters())),
                    largest_unit=max(sum(e.nbytes for e in u.entries) for u in swapper.units),
@@ -113,11 +114,14 @@ def _train(rank: int, world: int, root: str, grads: bool, steps: int, accumulate
     return out
 
 
-@pytest.mark.parametrize(("accumulate", "clip"), [(1, 0.0), (2, 0.02)], ids=["plain", "accumulate2-clip"])
-def test_swapped_gradients_train_exactly_as_resident_ones(accumulate, clip, tmp_path):
+# A 1-output head: its weight (1 row) and bias have an empty shard on rank 1, where accumulation
+# stopped the run (range() with a zero step; a new-user trial).
+@pytest.mark.parametrize(("accumulate", "clip", "head"), [(1, 0.0, 5), (2, 0.02, 5), (2, 0.0, 1)],
+                         ids=["plain", "accumulate2-clip", "accumulate2-empty-shards"])
+def test_swapped_gradients_train_exactly_as_resident_ones(accumulate, clip, head, tmp_path):
     steps = 5
-    ref = spawn(_train, 2, (str(tmp_path), False, steps, accumulate, clip), timeout=120)
-    got = spawn(_train, 2, (str(tmp_path), True, steps, accumulate, clip), timeout=120)
+    ref = spawn(_train, 2, (str(tmp_path), False, steps, accumulate, clip, head), timeout=120)
+    got = spawn(_train, 2, (str(tmp_path), True, steps, accumulate, clip, head), timeout=120)
     for r, g in zip(ref, got):
         assert g["losses"] == r["losses"]  # bit for bit: FSDP2's old + new is our new + old
         assert all(torch.equal(a, b) for a, b in zip(g["params"], r["params"]))

@@ -229,6 +229,8 @@ class GradSwapper:
     def _accumulate(self, e: _Entry, flat: Tensor) -> None:
         """``flat`` (this backward's reduced shard) += the sum of the earlier micro-batches, from the file."""
         n = flat.numel()
+        if n == 0:  # this rank's shard of a parameter with fewer rows than ranks (a 1-output head)
+            return
         step = min(n, _CHUNK)
         if self._chunk is None or self._chunk.numel() < step * e.dtype.itemsize:
             self._chunk = torch.empty(step * e.dtype.itemsize, dtype=torch.uint8)
