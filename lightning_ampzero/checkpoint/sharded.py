@@ -89,7 +89,14 @@ def save_sharded(
                 shutil.rmtree(staging)  # left by an earlier interrupted save of the same name
             staging.mkdir(parents=True)
         barrier()
-        dcp.save(dict(state), checkpoint_id=staging)  # collective: returns once .metadata is written
+        # [Note: replicated tensors saved from rank 0] A tensor every rank holds whole (a buffer, a
+        # 0-dim parameter, every tensor at stage 0) is written once; DCP's default spreads these over
+        # the ranks by bytes, so BatchNorm's running statistics, which each rank updates from its own
+        # batches after the step's broadcast ([Note: buffer broadcast] in zero/buffers.py), were saved
+        # from rank 1, and a resume or an export carried rank 1's (a new-user trial). DDP saves rank
+        # 0's, and so does this.
+        dcp.save(dict(state), checkpoint_id=staging,  # collective: returns once .metadata is written
+                 planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
         if is_global_zero:
             torch.save(metadata, staging / METADATA_FILE)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must hear of it before anyone moves on
