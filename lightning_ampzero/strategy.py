@@ -86,8 +86,8 @@ from lightning_ampzero.torch_compile import apply_compile
 from lightning_ampzero.hf import load_pending_pretrained, refuse_own_save_pretrained
 from lightning_ampzero.sigterm import AsyncSigtermBroadcast
 from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
-from lightning_ampzero.zero.averaged import (averaged_targets, pop_averaged_states, restore_averaged_states,
-                                            shard_averaged_copies)
+from lightning_ampzero.zero.averaged import (averaged_targets, copy_in_setup_when_sharded, pop_averaged_states,
+                                            restore_averaged_states, shard_averaged_copies)
 from lightning_ampzero.zero.apply import (after_manual_step, apply_zero, fsdp_modules, no_sync, overlap_comm_note,
                                          prepare_manual_backward, register_root_method, gathers_in_other_dtypes,
                                          reshard_stale, run_outside_steps_in)
@@ -454,6 +454,8 @@ class AmpZeroStrategy(ParallelStrategy):
         self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+        # Before the callbacks' setup hooks: [Note: SWA's setup on a model already sharded] in zero/averaged.py
+        copy_in_setup_when_sharded(self._callbacks(), self._reshard)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -25,6 +25,16 @@ rank. So :func:`pop_averaged_states` moves it into the DCP state (``averaged_<i>
 stage; :func:`restore_averaged_states` loads it in place into the live copy (sharded by then:
 the strategy restores after setup) and hands Lightning that state to load, as it saved it.
 
+[Note: SWA's setup on a model already sharded]
+The callback copies the module again in the setup hook of every later run (``trainer.validate``,
+``test``, ``predict`` or another ``fit`` after a fit), where the module is still sharded from the
+fit, and FSDP2 refuses to deep-copy a sharded module ("FSDP does not support deepcopy"; stages 1-3,
+a new-user trial). What such a copy must be is known: the model's current values, laid out as the
+model, which the copy from the first run already is. So :func:`copy_in_setup_when_sharded` makes
+the callback's setup refresh that copy in place (parameters and buffers, shard by shard, no
+communication) instead of copying the module, after the strategy has put evaluation's gathered
+units back to their shards; a module not yet sharded is copied as before.
+
 The copy is matched to the model by parameter name. A model whose layers ``configure_model``
 builds has none of them when SWA copies it (under ddp as well, where the two ``parameters()``
 lists are then zipped out of step without an error); that is refused with what to do.
@@ -32,8 +42,9 @@ lists are then zipped out of step without an error); that is refused with what t
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -124,3 +135,39 @@ def restore_averaged_states(callbacks: Iterable[Any], checkpoint: dict[str, Any]
         entry = saved.get(cb.state_key)
         if isinstance(entry, dict) and f"averaged_{i}" in loaded and entry.get("average_model_state") is None:
             entry["average_model_state"] = loaded[f"averaged_{i}"]
+
+
+def refresh_like(copy: nn.Module, model: nn.Module) -> None:
+    """Copy ``model``'s parameters and buffers into ``copy``, laid out alike (:func:`shard_like`), by name."""
+    live = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in copy.named_parameters():
+            param.copy_(live[name])
+        buffers = dict(model.named_buffers())
+        for name, buffer in copy.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
+
+
+def copy_in_setup_when_sharded(callbacks: Iterable[Any], reshard: Callable[[], None]) -> None:
+    """Make each ``StochasticWeightAveraging``'s setup refresh its averaged copy once the module is sharded.
+
+    [Note: SWA's setup on a model already sharded]; ``reshard`` puts evaluation's gathered units
+    back to their shards (the strategy's, [Note: units left gathered by evaluation]).
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from torch.distributed.fsdp import FSDPModule
+
+    for cb in callbacks:
+        if not isinstance(cb, StochasticWeightAveraging) or getattr(cb.setup, "_ampzero_refresh", False):
+            continue
+        copy_module = cb.setup
+
+        def setup(trainer: Any, pl_module: nn.Module, stage: str, cb: Any = cb, copy_module: Any = copy_module) -> None:
+            if cb._average_model is None or not isinstance(pl_module, FSDPModule):
+                return copy_module(trainer, pl_module, stage)
+            reshard()
+            refresh_like(cb._average_model, pl_module)
+
+        setup._ampzero_refresh = True  # type: ignore[attr-defined]
+        cb.setup = setup

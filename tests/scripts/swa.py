@@ -46,11 +46,17 @@ class Module(pl.LightningModule):
         h = torch.relu(self.norm(self.enc(x)))
         return nn.functional.mse_loss(self.scale * self.head(self.dec(h)), y)
 
+    def validation_step(self, batch, i):
+        x, y = batch
+        h = torch.relu(self.norm(self.enc(x)))
+        self.log("val", nn.functional.mse_loss(self.scale * self.head(self.dec(h)), y), sync_dist=True)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _run(strategy, *, swa: bool = True, save_to: Path | None = None, resume: Path | None = None) -> dict:
+def _run(strategy, *, swa: bool = True, save_to: Path | None = None, resume: Path | None = None,
+         then: bool = False) -> dict:
     pl.seed_everything(0, verbose=False)
     module = Module()
     g = torch.Generator().manual_seed(1)
@@ -61,8 +67,17 @@ def _run(strategy, *, swa: bool = True, save_to: Path | None = None, resume: Pat
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=4, logger=False,
                          enable_checkpointing=save_to is not None, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks)
-    trainer.fit(module, DataLoader(data, batch_size=8), ckpt_path=resume)
-    return full_state(module)
+    loader = DataLoader(data, batch_size=8)
+    trainer.fit(module, loader, ckpt_path=resume)
+    if not then:
+        return full_state(module)
+    # [Note: SWA's setup on a model already sharded]: the callback's setup runs again in each of these,
+    # on the module the fit left sharded (stages 1-3 stopped with "FSDP does not support deepcopy").
+    out = {"val": trainer.validate(module, loader, verbose=False)[0]["val"],
+           "val_again": trainer.validate(module, loader, verbose=False)[0]["val"]}
+    trainer.fit_loop.max_epochs += 2
+    trainer.fit(module, loader)
+    return {**out, **full_state(module)}
 
 
 def main() -> None:
@@ -75,6 +90,9 @@ def main() -> None:
     for stage in (1, 2, 3):
         # Without a checkpoint callback: a save reshards, which hid [Note: a step without a backward].
         out[f"stage{stage}"] = _run(AmpZeroStrategy(stage=stage))
+    out["ddp/then"] = _run("ddp", then=True)
+    for stage in (1, 3):
+        out[f"stage{stage}/then"] = _run(AmpZeroStrategy(stage=stage), then=True)
     for stage in (2, 3):
         out[f"stage{stage}/saving"] = _run(AmpZeroStrategy(stage=stage), save_to=root / f"stage{stage}")
     for saved, stage in ((2, 2), (2, 3), (3, 1)):
