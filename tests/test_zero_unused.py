@@ -123,3 +123,14 @@ def test_a_stage3_bf16_mixed_model_called_after_fit_runs_under_the_precisions_au
     # The two trainings differ only by stage 3's bf16 gradient reduction: a bf16 rounding or two.
     scale = max(abs(v) for v in ref["logits"])
     assert max(abs(a - b) for a, b in zip(ours["logits"], ref["logits"])) <= 1e-2 * scale
+
+
+def test_an_encoder_decoders_generate_after_fit_at_stage_2_says_what_to_do(tmp_path):
+    # [Note: a child called outside a step method] in zero/apply.py: T5's generate() runs its encoder,
+    # a part of the wrapped model, and stopped on torch's "got mixed torch.Tensor and DTensor".
+    out = run_json("encoder_after_fit.py", tmp_path / "out.json", timeout=300)
+    assert out["stage2"] == out["ddp"] and len(out["ddp"]) == 2  # the hooks change nothing in the steps
+    for rank in out["raised"]:
+        for call in ("generate", "encoder"):
+            assert rank[call].startswith("RuntimeError: T5Stack was called outside the LightningModule's step methods"), rank
+            assert "mixed torch.Tensor and DTensor" not in rank[call]

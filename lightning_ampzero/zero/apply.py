@@ -454,7 +454,33 @@ def register_root_method(module: nn.Module, *names: str) -> None:
         hook = functools.partial(_before_forward_in_step, module)
         for target in (module, *module.children()):
             target.register_forward_pre_hook(hook, prepend=True)
+        # [Note: a child called outside a step method]: a wrapped model's parts, called directly
+        outside = functools.partial(_check_called_outside_step, module)
+        for target in _entry_points(module):
+            target.register_forward_pre_hook(outside, prepend=True)
         object.__setattr__(module, "_ampzero_in_step_hooks", True)
+
+
+#: How deep below the LightningModule a part of the model is still checked when called directly
+#: (:func:`_entry_points`): a Hugging Face model's encoder or decoder (``self.model.model.encoder``).
+_ENTRY_DEPTH = 3
+
+
+def _entry_points(root: nn.Module) -> list[nn.Module]:
+    """The modules two or three levels below ``root`` holding parameters: what code outside a step calls.
+
+    Hugging Face's encoder-decoder ``generate()`` runs ``get_encoder()(...)`` (T5's ``model.encoder``,
+    BART's and Whisper's ``model.model.encoder``), never the wrapped model's own forward. The
+    in-step hook stays on the root and its children; this one is cheap in a step (it returns at
+    once) and there are few such modules.
+    """
+    out: list[nn.Module] = []
+    level = list(root.children())
+    for _ in range(_ENTRY_DEPTH - 1):
+        level = [g for c in level for g in c.children()]
+        out.extend(m for m in level if not isinstance(m, (nn.ModuleList, nn.ModuleDict))
+                   and next(m.parameters(), None) is not None)
+    return list({id(m): m for m in out}.values())
 
 
 def _wrap_root_method(module: nn.Module, name: str, state: Any, buffers: Any, groups: list) -> None:
@@ -507,19 +533,28 @@ def _before_forward_in_step(root: FSDPModule, module: nn.Module, args: object) -
         # [Note: requires_grad changed inside a step] in trainable.py: a toggle_optimizer() just now
         sync_requires_grad(_param_groups_of(root), gathered_only=True)
     elif module is not root:
-        # [Note: a child called outside a step method]
-        # A hook (a sampling callback's on_train_epoch_end) calling ``self.model`` while the root's
-        # parameters are sharded failed deep in the model with torch's "got mixed torch.Tensor and
-        # DTensor", on every rank that called it: FSDP2 gathers the root only in the root's forward.
-        # Gathering here would fix it only when every rank calls, and hang a call on rank 0 alone
-        # (the common case) until the watchdog: so say where the model is whole instead. Units
-        # inside the child gather themselves (every rank calling it after fit works at stage 3), and
-        # a child holding none of the root's parameters (a torchmetrics metric) needs nothing.
-        if group is None or group.is_unsharded:
-            return
-        held = {id(fp.sharded_param) for fp in group.fsdp_params}
-        if any(id(p) in held for p in module.parameters()):
-            raise RuntimeError(OUTSIDE_STEP.format(name=own_class_name(module)))
+        _check_called_outside_step(root, module, args)
+
+
+def _check_called_outside_step(root: FSDPModule, module: nn.Module, args: object) -> None:
+    if torch._C._current_graph_task_id() != -1 or in_step_method():
+        return
+    # [Note: a child called outside a step method]
+    # A hook (a sampling callback's on_train_epoch_end) calling ``self.model`` while the root's
+    # parameters are sharded failed deep in the model with torch's "got mixed torch.Tensor and
+    # DTensor", on every rank that called it: FSDP2 gathers the root only in the root's forward.
+    # Gathering here would fix it only when every rank calls, and hang a call on rank 0 alone
+    # (the common case) until the watchdog: so say where the model is whole instead. Units
+    # inside the child gather themselves (every rank calling it after fit works at stage 3), and
+    # a child holding none of the root's parameters (a torchmetrics metric) needs nothing. The
+    # same for the parts a child's methods call directly (:func:`_entry_points`): T5's
+    # generate() after fit at stage 2 stopped on torch's error (a new-user trial).
+    group = root._get_fsdp_state()._fsdp_param_group
+    if group is None or group.is_unsharded:
+        return
+    held = {id(fp.sharded_param) for fp in group.fsdp_params}
+    if any(id(p) in held for p in module.parameters()):
+        raise RuntimeError(OUTSIDE_STEP.format(name=own_class_name(module)))
 
 
 OUTSIDE_STEP = (
