@@ -90,6 +90,12 @@ def test_cli_strip_prefix_dtype_and_errors(trained, tmp_path):
     assert proc.returncode == 0, proc.stderr
     state = load_consolidated(tmp_path / "inner.pt")
     assert "wte.weight" in state and state["wte.weight"].dtype == torch.float16
+    # An output folder that does not exist yet is made, in every format (safetensors stopped on
+    # "No such file or directory", pt on torch's "Parent directory ... does not exist": a trial).
+    for fmt, name in (("safetensors", "model.safetensors"), ("pt", "model.pt"), ("lightning", "model.ckpt")):
+        target = tmp_path / f"new {fmt}" / "inner" / name
+        made = _cli(final, str(target), "--format", fmt)
+        assert made.returncode == 0 and target.is_file(), made.stderr
     bad = _cli(str(tmp_path / "missing.ckpt"), str(tmp_path / "x.safetensors"))
     assert bad.returncode == 2 and "missing.ckpt does not exist" in bad.stderr
     (tmp_path / "empty.ckpt").mkdir()

@@ -366,7 +366,8 @@ def test_apply_to_trainer_keeps_explicit_trainer_values_and_warns():
 def test_apply_to_trainer_checks_the_batch_arithmetic():
     r = _convert(CONFIGS / "zero1_fp16_warmupdecay.json")  # 8 = 4 x 1 x 2
     r.apply_to_trainer(_fake_trainer(world_size=2))
-    with pytest.raises(DeepSpeedConfigError, match="train_batch_size=8 must equal"):
+    with pytest.raises(DeepSpeedConfigError, match=r"train_batch_size=8 must equal.* = 16\. Set train_batch_size to 16,"
+                                                   r" or leave it out"):
         r.apply_to_trainer(_fake_trainer(world_size=4))
     assert r.micro_batch(2) == 4
     only_total = _convert({"train_batch_size": 32, "gradient_accumulation_steps": 2})

@@ -178,6 +178,8 @@ def test_overflow_at_minimum_raises_naming_the_parameters():
     msg = str(info.value)
     assert "Current loss scale already at minimum" in msg
     assert "body.bias, head.weight" in msg and "body.weight" not in msg
+    # the counts agree with the run's summary ("2 optimizer step(s) skipped"): this one raised, not skipped
+    assert "overflow 3 of the run; 2 earlier overflowing step(s) skipped" in msg
     for advice in ("bf16", "min_loss_scale", "learning rate", "clipping"):
         assert advice in msg
     # as DeepSpeed: the raising update leaves scale, iteration and hysteresis as they were

@@ -27,6 +27,13 @@ from lightning_ampzero.config import (
 _FROM_SECTION = "_ampzero_from_deepspeed_section"
 
 
+def _fix_batch(product: int) -> str:
+    """What to change when the config's batch sizes disagree (DeepSpeed's check, with the way out)."""
+    return (f"Set train_batch_size to {product}, or leave it out (DeepSpeed derives it), or change the micro-batch"
+            " or the accumulation (gradient_accumulation_steps / the Trainer's accumulate_grad_batches) so that"
+            " the product is train_batch_size.")
+
+
 @dataclass(frozen=True)
 class ImportedDeepSpeedConfig:
     """What a DeepSpeed config converts to.
@@ -128,7 +135,7 @@ class ImportedDeepSpeedConfig:
             raise DeepSpeedConfigError(
                 f"DeepSpeed config {self.source}: train_batch_size={total} must equal"
                 f" train_micro_batch_size_per_gpu ({micro}) x gradient accumulation ({accumulate}) x world size"
-                f" ({world}) = {micro * accumulate * world}."
+                f" ({world}) = {micro * accumulate * world}. {_fix_batch(micro * accumulate * world)}"
             )
 
     def check_dataloader(self, trainer: Any) -> None:
@@ -230,8 +237,8 @@ class ImportedDeepSpeedConfig:
         value = getattr(self.scheduler, name, None) if self.scheduler is not None else None
         if name == "warmup_num_steps" and isinstance(value, int) and value < 2:
             # not "no warmup": DeepSpeed's WarmupLR warms up over max(2, warmup_num_steps) steps (a trial)
-            return (f"{value!r} (the default; DeepSpeed warms up over at least 2 steps, so the first runs at"
-                    " warmup_min_lr)")
+            return (f"{value!r} (the default; DeepSpeed warms up over at least 2 steps, so the first two optimizer"
+                    " steps run at warmup_min_lr)")
         return f"{value!r} (the default)"
 
     def install_optimizers(self, module: Any) -> None:
@@ -370,12 +377,14 @@ class ImportedDeepSpeedConfig:
                     f"DeepSpeed config {self.source}: train_batch_size={self.train_batch_size} must equal"
                     f" train_micro_batch_size_per_gpu ({self.micro_batch_size}) x gradient accumulation"
                     f" ({accumulate}) x world size ({world_size}) = {self.micro_batch_size * per_step}."
+                    f" {_fix_batch(self.micro_batch_size * per_step)}"
                 )
             return self.micro_batch_size
         if self.train_batch_size % per_step:
             raise DeepSpeedConfigError(
                 f"DeepSpeed config {self.source}: train_batch_size={self.train_batch_size} is not divisible by"
-                f" gradient accumulation x world size = {per_step}."
+                f" gradient accumulation x world size = {per_step}. Set it to a multiple of {per_step}, or leave it"
+                " out and give train_micro_batch_size_per_gpu (or the DataLoader's batch_size)."
             )
         return self.train_batch_size // per_step
 

@@ -164,6 +164,8 @@ def write_state(
         raise ValueError(f"format {fmt!r} is not supported. Allowed: {', '.join(FORMATS)}.")
     shards = plan_shards(entries, max_shard_size)
     paths = _shard_names(out, len(shards), fmt, single_name) if write else []
+    for parent in {path.parent for path in paths}:  # as --format lightning and save_pretrained: made if missing
+        parent.mkdir(parents=True, exist_ok=True)
     for shard, path in zip(shards, paths or [None] * len(shards)):
         if fmt == "safetensors":
             writer = SafetensorsStreamWriter(path, shard) if write else None

@@ -432,8 +432,9 @@ class DynamicLossScaler(_ScalerBase):
         advice = (
             "Try: bf16 (precision='bf16-mixed': fp32's range, no loss scaling); a lower"
             " loss_scaler.min_loss_scale (the scale may then fall further, below 1 if need be); a lower learning"
-            " rate; gradient clipping (e.g."
-            " Trainer(gradient_clip_val=1.0)); or loss_scaler.at_min_scale='skip'/'warn' to skip such steps."
+            " rate, or gradient clipping (Trainer(gradient_clip_val=1.0)), if the overflows began after the weights"
+            " grew (clipping acts after the overflow, on later steps' updates, not on this step's fp16 gradients);"
+            " or loss_scaler.at_min_scale='skip'/'warn' to skip such steps."
         )
         if policy == "warn":
             warnings.warn(
@@ -446,8 +447,8 @@ class DynamicLossScaler(_ScalerBase):
         raise LossScaleAtMinimumError(
             f"Current loss scale already at minimum - cannot decrease scale anymore"
             f" (loss_scaler.min_loss_scale={self.config.min_loss_scale}): fp16 gradients overflowed at"
-            f" iteration {self._iteration} ({self._overflows + 1} overflows, {self._skipped_steps} skipped"
-            f" steps so far). {where} {advice}"
+            f" iteration {self._iteration} (overflow {self._overflows + 1} of the run; {self._overflows} earlier"
+            f" overflowing step(s) skipped). {where} {advice}"
         )
 
     def _set_scale(self, value: float) -> None:
