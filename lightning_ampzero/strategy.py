@@ -217,12 +217,14 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
     if unknown:
         from lightning_ampzero._deepspeed.lightning_keywords import lightning_keyword_hint
 
-        ported = lightning_keyword_hint(unknown[0])  # a keyword of Lightning's DeepSpeedStrategy
-        raise TypeError(
-            f"AmpZeroStrategy got an unknown argument {unknown[0]!r}."
-            f"{' ' + ported if ported else _nested_home(unknown[0]) or suggest(unknown[0], set(owner))}"
-            f" Arguments: config, {', '.join(sorted(set(owner) - {'zero'}))}."
-        )
+        def hint(name: str) -> str:
+            ported = lightning_keyword_hint(name)  # a keyword of Lightning's DeepSpeedStrategy
+            return ' ' + ported if ported else _nested_home(name) or suggest(name, set(owner))
+
+        # Every unknown keyword at once: a port from DeepSpeedStrategy usually brings several.
+        head = (f"an unknown argument {unknown[0]!r}.{hint(unknown[0])}" if len(unknown) == 1 else
+                f"{len(unknown)} unknown arguments:" + "".join(f" {name!r}:{hint(name)}" for name in unknown))
+        raise TypeError(f"AmpZeroStrategy got {head} Arguments: config, {', '.join(sorted(set(owner) - {'zero'}))}.")
     if overrides.get("offload_optimizer") is False:  # Lightning's DeepSpeedStrategy default: no offload
         overrides = {**overrides, "offload_optimizer": "none"}
     if overrides.get("offload_optimizer") is True:  # Lightning's DeepSpeedStrategy(offload_optimizer=True)

@@ -192,6 +192,13 @@ def test_every_keyword_of_lightnings_deepspeed_strategy_is_taken_or_answered():
     with pytest.raises(TypeError, match=r"is timeout_s=<seconds> here"):
         AmpZeroStrategy(timeout=60)
     assert AmpZeroStrategy(timeout_s=60).config.zero.timeout_s == 60  # what it names works
+    # A port brings several at once: every one is answered in the one message (a trial got them one by one).
+    with pytest.raises(TypeError) as several:
+        AmpZeroStrategy(block_size=1, logging_batch_size_per_gpu=2, stagee=2)
+    message = str(several.value)
+    assert message.startswith("AmpZeroStrategy got 3 unknown arguments: 'block_size': Lightning's DeepSpeedStrategy(")
+    assert "'logging_batch_size_per_gpu': Lightning's DeepSpeedStrategy(logging_batch_size_per_gpu=" in message
+    assert "'stagee': Did you mean 'stage'?" in message
 
 
 def test_sync_batchnorm_is_refused_on_cpu_at_every_stage(tmp_path):
