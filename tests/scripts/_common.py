@@ -19,3 +19,18 @@ def full_state(module: nn.Module) -> dict[str, list[float]]:
     """
     return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().flatten().tolist()
             for n, t in [*module.named_parameters(), *module.named_buffers()]}
+
+
+def full_tensors(module: nn.Module) -> dict:
+    """Every parameter of ``module`` whole (a sharded DTensor gathered; a collective at stages 1-3), as tensors."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in module.named_parameters()}
+
+
+def quiet_trainer(strategy, root, steps: int):
+    """A 2-rank CPU Trainer for ``steps`` optimizer steps that writes nothing but its own checkpoints."""
+    import lightning.pytorch as pl
+
+    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(root))

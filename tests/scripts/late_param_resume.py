@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
 
+from _common import full_tensors, quiet_trainer
+
 from lightning_ampzero.process import run_and_exit
 from lightning_ampzero.strategy import AmpZeroStrategy
 
@@ -51,36 +53,27 @@ class Model(pl.LightningModule):
                           batch_size=4)
 
 
-def _full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in module.named_parameters()}
-
 
 def _late_has_state(trainer: pl.Trainer, model: Model) -> bool:
     return any(len(trainer.optimizers[0].state.get(p, {})) > 0 for p in model.late.parameters())
 
 
-def _trainer(strategy, root: Path, steps: int) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      default_root_dir=str(root))
-
 
 def _run(name: str, make, root: Path) -> dict:
     pl.seed_everything(0, verbose=False)
     whole = Model()
-    start = _full(whole)["late.weight"]
-    _trainer(make(), root / name, 6).fit(whole)
+    start = full_tensors(whole)["late.weight"]
+    quiet_trainer(make(), root / name, 6).fit(whole)
     pl.seed_everything(0, verbose=False)
-    first, model = _trainer(make(), root / name, 2), Model()
+    first, model = quiet_trainer(make(), root / name, 2), Model()
     first.fit(model)
     saved_with_state = _late_has_state(first, model)
     ckpt = str(root / name / "step2.ckpt")
     first.save_checkpoint(ckpt)
     resumed = Model()
-    last = _trainer(make(), root / name, 6)
+    last = quiet_trainer(make(), root / name, 6)
     last.fit(resumed, ckpt_path=ckpt)
-    return {"whole": _full(whole), "resumed": _full(resumed), "saved_with_state": saved_with_state,
+    return {"whole": full_tensors(whole), "resumed": full_tensors(resumed), "saved_with_state": saved_with_state,
             "end_with_state": _late_has_state(last, resumed), "start": start}
 
 

@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning.pytorch as pl
 from lightning.pytorch.tuner import Tuner
 
+from _common import full_tensors, quiet_trainer
+
 from lightning_ampzero.process import run_and_exit
 from lightning_ampzero.strategy import AmpZeroStrategy
 
@@ -52,32 +54,23 @@ class WithScheduler(Model):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)}
 
 
-def _full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in module.named_parameters()}
-
-
-def _trainer(strategy, root: Path, steps: int) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      default_root_dir=str(root))
 
 
 def _run(name: str, make, root: Path) -> dict:
     pl.seed_everything(0, verbose=False)
     model = Model()
-    trainer = _trainer(make(), root / name, 4)
+    trainer = quiet_trainer(make(), root / name, 4)
     found = Tuner(trainer).lr_find(model, num_training=30, early_stop_threshold=None)
     trainer.fit(model)
-    after_lr_find = _full(model)
+    after_lr_find = full_tensors(model)
     pl.seed_everything(0, verbose=False)
-    first = _trainer(make(), root / name, 2)
+    first = quiet_trainer(make(), root / name, 2)
     first.fit(Model())
     ckpt = str(root / name / "no_scheduler.ckpt")
     first.save_checkpoint(ckpt)
     resumed = WithScheduler()
-    _trainer(make(), root / name, 4).fit(resumed, ckpt_path=ckpt)
-    return {"suggestion": found.suggestion(), "after_lr_find": after_lr_find, "resumed": _full(resumed)}
+    quiet_trainer(make(), root / name, 4).fit(resumed, ckpt_path=ckpt)
+    return {"suggestion": found.suggestion(), "after_lr_find": after_lr_find, "resumed": full_tensors(resumed)}
 
 
 def main() -> None:
