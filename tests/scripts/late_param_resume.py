@@ -81,11 +81,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--tmp", required=True)
-    p.add_argument("--stages", default="1,3")
+    p.add_argument("--stages", default="0,1,3")
     args = p.parse_args()
     runs = {"ddp": _run("ddp", lambda: "ddp_find_unused_parameters_true", Path(args.tmp))}
     for stage in (int(s) for s in args.stages.split(",")):
-        runs[f"stage{stage}"] = _run(f"stage{stage}", lambda: AmpZeroStrategy(stage=stage), Path(args.tmp))
+        # stage 0 is DDP: a parameter unused in a step needs find_unused_parameters, as under ddp
+        unused = {"find_unused_parameters": True} if stage == 0 else {}
+        runs[f"stage{stage}"] = _run(f"stage{stage}", lambda: AmpZeroStrategy(stage=stage, **unused), Path(args.tmp))
     ref = runs["ddp"]["whole"]
     diff = lambda a, b: max((a[n] - b[n]).abs().max().item() for n in b)  # noqa: E731
     # Lightning's resume does not replay the uninterrupted run's batches (its loop restarts the
