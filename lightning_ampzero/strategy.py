@@ -84,7 +84,7 @@ from lightning_ampzero.host_memory import keep_freed_host_memory
 from lightning_ampzero.process import release_process_groups
 from lightning_ampzero.torch_compile import apply_compile
 from lightning_ampzero.hf import load_pending_pretrained, refuse_own_save_pretrained
-from lightning_ampzero.sigterm import AsyncSigtermBroadcast
+from lightning_ampzero.sigterm import AsyncSigtermBroadcast, sigterm_notifier
 from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
 from lightning_ampzero.zero.averaged import (averaged_targets, copy_in_setup_when_sharded, pop_averaged_states,
                                             restore_averaged_states, shard_averaged_copies)
@@ -590,10 +590,23 @@ class AmpZeroStrategy(ParallelStrategy):
         # Lightning's per-batch SIGTERM broadcast, made asynchronous: [Note: asynchronous SIGTERM
         # broadcast] in sigterm.py. An instance attribute over the loop's method, removed at teardown.
         loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        connector = getattr(trainer, "_signal_connector", None)
         if self.world_size > 1 and callable(getattr(loop, "_broadcast_sigterm_tensor", None)):
-            check = AsyncSigtermBroadcast(lambda: trainer.received_sigterm, self.root_device, SIGTERMException)
+            # [Note: a SIGTERM in the middle of a step] in sigterm.py: Lightning registers its handler
+            # after setup, from this attribute: the one here issues no collective.
+            if connector is not None and callable(getattr(connector, "_sigterm_notifier_fn", None)):
+                connector._ampzero_sigterm = False
+                connector._sigterm_notifier_fn = sigterm_notifier(connector, self.local_rank)
+
+            def stop() -> None:
+                if connector is not None:
+                    connector.received_sigterm = True
+
+            check = AsyncSigtermBroadcast(
+                lambda: trainer.received_sigterm or bool(getattr(connector, "_ampzero_sigterm", False)),
+                self.root_device, SIGTERMException, on_stop=stop)
             loop._broadcast_sigterm_tensor = check  # type: ignore[union-attr]
-            self._sigterm = (loop, check)
+            self._sigterm = (loop, check, connector)
 
     def _apply_activation_checkpointing(self, module: torch.nn.Module) -> None:
         self.activation_checkpointing = apply_activation_checkpointing(
@@ -831,9 +844,11 @@ class AmpZeroStrategy(ParallelStrategy):
             stop_watchdog(*self._watchdog)
             self._watchdog = None
         if self._sigterm is not None:
-            loop, check = self._sigterm
+            loop, check, connector = self._sigterm
             check.forget()
             loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+            if connector is not None:
+                connector.__dict__.pop("_sigterm_notifier_fn", None)
             self._sigterm = None
         offload_setup.close_optimizers(self.optimizers)  # [offload] host buffers, NVMe swap files
         if self.param_swapper is not None:
