@@ -396,13 +396,24 @@ def launch_local(app: TrainAppConfig, job_dir: Path, nprocs: int) -> dict[str, A
     cmd = [sys.executable, "-m", "lightning_ampzero.train", WORKER_FLAG, str(spec)]
     procs: list[subprocess.Popen] = []
     deadline = time.monotonic() + app.run.timeout_s if app.run.timeout_s else None
+    previous = _raise_on_sigterm()
     try:
         for local_rank in range(nprocs):
             procs.append(subprocess.Popen(cmd, env={**base, "LOCAL_RANK": str(local_rank)}))
         failed = _wait_all(procs, deadline)
+    except (KeyboardInterrupt, _Terminated) as stopped:
+        # [Note: the job stopped by a signal]
+        name = "SIGINT" if isinstance(stopped, KeyboardInterrupt) else "SIGTERM"
+        _stop(procs, grace_s=30.0, first_wait_s=5.0 if name == "SIGINT" else 0.0)
+        print(f"ampzero-train: stopped by {name}; the training processes were stopped. Job directory: {job_dir};"
+              f" {_latest_checkpoint(job_dir)}", file=sys.stderr)
+        raise SystemExit(128 + (signal.SIGINT if name == "SIGINT" else signal.SIGTERM)) from None
     except BaseException:
         _stop(procs)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if failed is not None:
         rank, code = failed
         why = "ran past run.timeout_s" if code is None else f"exited with code {code}"
@@ -432,7 +443,47 @@ def _wait_all(procs: list[subprocess.Popen], deadline: Optional[float]) -> Optio
         time.sleep(0.2)
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+# [Note: the job stopped by a signal]
+# The workers are this process's children, not the launcher's of Lightning: a SIGTERM to
+# ampzero-train (a scheduler's, ``kill``) ended it at once and left them training, re-parented, until
+# the watchdog (a new-user trial), and Ctrl-C ended with Hydra's traceback of the wait loop. Both now
+# reach the workers as Lightning expects them (SIGTERM: every rank stops after the next batch,
+# [Note: a SIGTERM in the middle of a step] in sigterm.py; Ctrl-C reaches them from the terminal
+# itself, so they get a few seconds to shut down on their own first), and the job ends with one
+# line naming the latest checkpoint, and the shell's exit status for the signal (128 + its number).
+class _Terminated(BaseException):
+    """SIGTERM received while the workers run (raised by the handler :func:`_raise_on_sigterm` installs)."""
+
+
+def _raise_on_sigterm() -> Any:
+    """Make SIGTERM raise :class:`_Terminated` in this (main) thread; returns the handler it replaced, or None."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    raised = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not raised:  # once: a second SIGTERM must not cut the workers' shutdown short
+            raised.append(signum)
+            raise _Terminated()
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _latest_checkpoint(job_dir: Path) -> str:
+    found = sorted(job_dir.glob("checkpoints/*.ckpt"), key=lambda p: p.stat().st_mtime)
+    return f"latest checkpoint: {found[-1]} (resume with run.ckpt_path=...)" if found else "no checkpoint was written."
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0, first_wait_s: float = 0.0) -> None:
+    end = time.monotonic() + first_wait_s
+    for p in procs:  # a Ctrl-C reached them too: let them end on their own first
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -567,7 +618,7 @@ def train(app: TrainAppConfig, job_dir: Path) -> Optional[dict[str, Any]]:
     if periodic:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", save_top_k=-1,
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", save_top_k=-1,
                                          every_n_train_steps=app.run.checkpoint_every_n_steps))
     logger: Any = False
     if app.run.logger == "csv":

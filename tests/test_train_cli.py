@@ -183,3 +183,49 @@ def test_progress_bar_title_of_a_run_bounded_by_steps():
     assert bar._get_train_description(0).strip() == "Epoch 0"
     bar._trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False)
     assert bar._get_train_description(1).strip() == "Epoch 1/2"
+
+
+def _workers_of(job: Path) -> list[int]:
+    """The pids of the job's workers (their command line names the job's spec file)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode() if proc.name.isdigit() else ""
+            if f"--ampzero-worker {job}" in cmdline:
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_job_stops_its_workers_with_one_line(tmp_path, name):
+    # [Note: the job stopped by a signal] in train.py: a SIGTERM ended the job at once and left its
+    # workers training, re-parented; Ctrl-C (a SIGINT to the whole process group) ended in Hydra's traceback.
+    import signal
+
+    job = tmp_path / "job"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    for key in LAUNCH_KEYS:
+        env.pop(key, None)
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_ampzero.train", *QUICK, "trainer.max_steps=100000",
+                             "run.checkpoint_every_n_steps=5", f"hydra.run.dir={job}"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(job.glob("checkpoints/step=*.ckpt")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert list(job.glob("checkpoints/step=*.ckpt")), "no periodic checkpoint within 240 s"
+        assert len(_workers_of(job)) == 2
+        if name == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)  # a scheduler's, or kill: the job's process alone
+        else:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal's whole process group
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + getattr(signal, name), err[-3000:]
+    assert f"ampzero-train: stopped by {name}; the training processes were stopped." in err
+    assert "latest checkpoint:" in err and "Traceback" not in err, err[-3000:]
+    assert _workers_of(job) == []
