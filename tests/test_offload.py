@@ -402,3 +402,29 @@ def test_a_dead_swap_directory_another_rank_removes_meanwhile_is_no_error(tmp_pa
     with pytest.warns(UserWarning, match="removed 1 swap directory of processes that no longer exist"):
         store.remove_dead_swap_dirs(tmp_path)
     assert not entry.exists()
+
+
+def test_offload_refuses_a_finetuning_callback_at_setup_and_names_frozen_parameters_it_holds():
+    # [Note: what the offloaded optimizer holds] in offload/setup.py (new-user trials with LoRA): a
+    # BackboneFinetuning fit stopped at its unfreezing epoch on add_param_group; the frozen parameters
+    # in the optimizer cost 12 bytes per element of host memory, silently.
+    from lightning.pytorch.callbacks import BackboneFinetuning, LearningRateMonitor
+
+    from lightning_ampzero.offload.setup import close_optimizers, wrap_optimizers
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    cfg = OffloadConfig(offload_optimizer="cpu")
+    with pytest.raises(ValueError, match=r"BackboneFinetuning adds parameter groups.*requires_grad_\(True\) in a callback"):
+        wrap_optimizers([torch.optim.AdamW(model[1].parameters())], cfg, nvme_dir=None, rank=0,
+                        callbacks=[LearningRateMonitor(), BackboneFinetuning()])
+    said: list[str] = []
+    wrapped = wrap_optimizers([torch.optim.AdamW(model.parameters())], cfg, nvme_dir=None, rank=0,
+                              callbacks=[LearningRateMonitor()], warn=said.append)
+    assert len(said) == 1 and "holds 72 elements of frozen parameters" in said[0] and "(0.8 KiB of host memory" in said[0], said
+    close_optimizers(wrapped)
+    said.clear()
+    wrapped = wrap_optimizers([torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)], cfg,
+                              nvme_dir=None, rank=0, warn=said.append)
+    assert said == []  # only the trainable ones: nothing to say
+    close_optimizers(wrapped)

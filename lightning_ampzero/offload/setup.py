@@ -137,13 +137,53 @@ def _swap_parameter_shards(model: torch.nn.Module, config: OffloadConfig, device
 
 
 def wrap_optimizers(optimizers: Sequence[Any], config: OffloadConfig, *, nvme_dir: Optional[Path],
-                    rank: int, params: Any = None) -> list[Any]:
+                    rank: int, params: Any = None, callbacks: Sequence[Any] = (),
+                    warn: Callable[[str], None] = lambda message: None) -> list[Any]:
     """Replace each optimizer by an :class:`OffloadedAdam` over it (``offload_optimizer`` cpu / nvme);
-    ``params``: the model's ParamSwapper, if its parameters are swapped."""
+    ``params``: the model's ParamSwapper, if its parameters are swapped. ``callbacks``: the Trainer's,
+    checked for one that adds parameter groups later; ``warn``: told of frozen parameters it holds."""
     if config.offload_optimizer == "none":
         return list(optimizers)
+    _refuse_groups_added_later(callbacks)
+    for optimizer in optimizers:
+        _warn_frozen(optimizer, warn)
     return [o if is_offloaded(o) else OffloadedAdam(o, config, nvme_dir=nvme_dir, rank=rank, params=params)
             for o in optimizers]
+
+
+# [Note: what the offloaded optimizer holds]
+# OffloadedAdam lays out master weights and moments for every parameter it is given, at setup (a
+# flat store per group, tiled for the host step), where torch's Adam creates a parameter's state at
+# its first gradient. So (two new-user trials, LoRA):
+# - frozen parameters handed to the optimizer (``self.parameters()``, the usual LoRA code) cost
+#   12 bytes per element of the shard in host memory (751x the adapters' on a 5M-parameter Llama),
+#   which is what lets a layer a callback unfreezes later train exactly: say so, and how to avoid it;
+# - a parameter group added mid-training (``add_param_group``, Lightning's ``BaseFinetuning``
+#   callbacks such as ``BackboneFinetuning``) has no place in that layout, and the fit stopped at
+#   the unfreezing epoch: refuse it at setup, with the way that works.
+def _refuse_groups_added_later(callbacks: Sequence[Any]) -> None:
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    adding = [type(cb).__name__ for cb in callbacks if isinstance(cb, BaseFinetuning)]
+    if adding:
+        raise ValueError(
+            f"{adding[0]} adds parameter groups to the optimizer when it unfreezes layers (add_param_group), and"
+            " offload_optimizer lays out its host state for the parameters it is given at setup. Give the"
+            " optimizer every parameter from the start (frozen ones stay as they are until their requires_grad is"
+            " set) and unfreeze with requires_grad_(True) in a callback of your own, or drop offload_optimizer."
+        )
+
+
+def _warn_frozen(optimizer: Any, warn: Callable[[str], None]) -> None:
+    from lightning_ampzero.estimate import format_bytes
+
+    frozen = sum(getattr(p, "_local_tensor", p).numel() for group in optimizer.param_groups for p in group["params"]
+                 if not p.requires_grad)
+    if frozen:
+        warn(f"offload_optimizer: the optimizer holds {frozen:,} elements of frozen parameters on this rank, and"
+             f" keeps master weights and Adam moments for them ({format_bytes(12 * frozen)} of host memory"
+             " (or NVMe)), so that they train if a callback unfreezes them. Pass only the trainable ones"
+             " (torch.optim.AdamW(p for p in self.parameters() if p.requires_grad)) if they stay frozen.")
 
 
 def close_optimizers(optimizers: Sequence[Any]) -> None:
