@@ -114,6 +114,10 @@ class TrainerConfig(FromDict, section="trainer"):
                 raise ValueError(f"trainer.devices must be a count, \"auto\" or a list of device indices, got {devices!r}.")
         elif devices != "auto" and (isinstance(devices, bool) or not isinstance(devices, int) or devices < 1 and devices != -1):
             raise ValueError(f"trainer.devices must be a count, -1, \"auto\" or a list of device indices, got {devices!r}.")
+        if self.accelerator == "cpu" and (devices == -1 or isinstance(devices, (list, tuple))):
+            # Lightning's CPUAccelerator takes a count only; it stopped in every worker (a new-user trial)
+            raise ValueError(f"trainer.devices={devices!r} with trainer.accelerator=cpu: on CPU devices is the number"
+                             " of processes (trainer.devices=2) or \"auto\"; -1 and device indices are for GPUs.")
         if self.gradient_clip_val is not None:
             check_number("trainer", "gradient_clip_val", self.gradient_clip_val, minimum=0)
 

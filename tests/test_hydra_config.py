@@ -302,6 +302,9 @@ def test_composition_errors_name_the_key_and_suggest(override, expected):
                                                               "mode='none'"]),
         # was a bare OverflowError in every worker (2.0 ** 2000)
         ("precision.loss_scaler.initial_scale_power=2000", ["initial_scale_power=2000", "<= 127"]),
+        # were Lightning's "devices selected with CPUAccelerator should be an int > 0" in every worker
+        ("trainer.devices=-1", ["trainer.devices=-1 with trainer.accelerator=cpu", "number of processes"]),
+        ("trainer.devices=[0,1]", ["trainer.devices=[0, 1] with trainer.accelerator=cpu", "device indices are for GPUs"]),
     ],
 )
 def test_bad_values_name_the_allowed_ones(override, expected):
