@@ -134,3 +134,31 @@ def test_an_encoder_decoders_generate_after_fit_at_stage_2_says_what_to_do(tmp_p
         for call in ("generate", "encoder"):
             assert rank[call].startswith("RuntimeError: T5Stack was called outside the LightningModule's step methods"), rank
             assert "mixed torch.Tensor and DTensor" not in rank[call]
+
+
+def test_the_parts_checked_when_called_directly_leave_out_blocks_and_compiled_modules():
+    # A hook on a compiled block is a graph break in it (seen with compile=True at stage 2): the
+    # blocks of a ModuleList (their parent's loop calls them) and compiled modules are left out.
+    from torch import nn
+
+    from lightning_ampzero.zero.apply import _entry_points
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    class Wrapped(nn.Module):  # a Hugging Face model: an encoder and a decoder under .model
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Module()
+            self.model.encoder, self.model.decoder = Stack(), Stack()
+            self.head = nn.Linear(4, 8)
+            self.blocks = nn.ModuleList([nn.Linear(4, 4)])
+
+    root = nn.Module()
+    root.net = Wrapped()
+    root.net.head.compile()
+    found = {name for name, m in root.named_modules() if any(m is e for e in _entry_points(root))}
+    assert found == {"net.model", "net.model.encoder", "net.model.decoder"}, found

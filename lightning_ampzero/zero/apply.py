@@ -472,14 +472,16 @@ def _entry_points(root: nn.Module) -> list[nn.Module]:
     Hugging Face's encoder-decoder ``generate()`` runs ``get_encoder()(...)`` (T5's ``model.encoder``,
     BART's and Whisper's ``model.model.encoder``), never the wrapped model's own forward. The
     in-step hook stays on the root and its children; this one is cheap in a step (it returns at
-    once) and there are few such modules.
+    once) and there are few such modules. Not the blocks of a ``ModuleList`` (their parent's loop
+    calls them, and they are what ``compile`` compiles, where a hook is a graph break) nor a
+    compiled module.
     """
     out: list[nn.Module] = []
     level = list(root.children())
     for _ in range(_ENTRY_DEPTH - 1):
-        level = [g for c in level for g in c.children()]
+        level = [g for c in level if not isinstance(c, (nn.ModuleList, nn.ModuleDict)) for g in c.children()]
         out.extend(m for m in level if not isinstance(m, (nn.ModuleList, nn.ModuleDict))
-                   and next(m.parameters(), None) is not None)
+                   and getattr(m, "_compiled_call_impl", None) is None and next(m.parameters(), None) is not None)
     return list({id(m): m for m in out}.values())
 
 
