@@ -34,3 +34,18 @@ def quiet_trainer(strategy, root, steps: int):
     return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       default_root_dir=str(root))
+
+
+def fit_until_sigterm(trainer, module, loader, out: str, rank: int) -> None:
+    """``trainer.fit``; then write ``<out>.<rank>.json``: the batches ``module.trained`` recorded and how the fit ended."""
+    import json
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    ended = "finished"
+    try:
+        trainer.fit(module, train_dataloaders=loader)
+    except SIGTERMException:
+        ended = "sigterm"
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump({"trained": module.trained, "ended": ended, "global_step": trainer.global_step}, f)

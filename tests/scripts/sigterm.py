@@ -8,18 +8,17 @@ other rank. Each rank records the batches it trained and how the fit ended into 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
 from torch.utils.data import DataLoader
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_ampzero.models.gpt import GPTConfig, GPTModule
 from lightning_ampzero.process import run_and_exit
 
+from _common import fit_until_sigterm
 from parity import PatternData
 
 STOP_AT = 3
@@ -54,13 +53,7 @@ def main() -> None:
             trainer._signal_connector.received_sigterm = True  # SIGTERM arrives between batches
 
     loop.on_advance_end = on_advance_end
-    ended = "finished"
-    try:
-        trainer.fit(module, train_dataloaders=DataLoader(PatternData(64, 16, 256, seed=1), batch_size=2))
-    except SIGTERMException:
-        ended = "sigterm"
-    with open(f"{args.out}.{rank}.json", "w") as f:
-        json.dump({"trained": module.trained, "ended": ended, "global_step": trainer.global_step}, f)
+    fit_until_sigterm(trainer, module, DataLoader(PatternData(64, 16, 256, seed=1), batch_size=2), args.out, rank)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ and how the fit ended into <out>.<rank>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 
@@ -20,7 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from _common import fit_until_sigterm
 
 from lightning_ampzero.process import run_and_exit
 from lightning_ampzero.strategy import AmpZeroStrategy
@@ -59,13 +59,7 @@ def main() -> None:
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=20, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     data = TensorDataset(torch.randn(128, 16), torch.randn(128, 1))
-    ended = "finished"
-    try:
-        trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=4))
-    except SIGTERMException:
-        ended = "sigterm"
-    with open(f"{args.out}.{trainer.global_rank}.json", "w") as f:
-        json.dump({"trained": module.trained, "ended": ended, "global_step": trainer.global_step}, f)
+    fit_until_sigterm(trainer, module, DataLoader(data, batch_size=4), args.out, trainer.global_rank)
 
 
 if __name__ == "__main__":
