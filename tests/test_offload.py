@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 from _scripts import max_rel_diff, run_json
 from lightning_ampzero.config import AmpZeroConfig, OffloadConfig
@@ -428,3 +429,31 @@ def test_offload_refuses_a_finetuning_callback_at_setup_and_names_frozen_paramet
                               nvme_dir=None, rank=0, warn=said.append)
     assert said == []  # only the trainable ones: nothing to say
     close_optimizers(wrapped)
+
+
+class _AdamBoring(BoringModel):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("own_folder", [False, True])
+def test_nvme_folder_after_fit(tmp_path, own_folder):
+    """A plain Trainer run of the NVMe preset leaves no empty ``ampzero_nvme/`` behind (a new-user trial
+    found one in the working directory), and a folder the user named stays, whatever it holds."""
+    import lightning.pytorch as pl
+
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    strategy = (AmpZeroStrategy(stage=3, offload_optimizer="nvme", offload_param="nvme", nvme_path=str(mine))
+                if own_folder else "ampzero_stage_3_offload_nvme")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, default_root_dir=tmp_path,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_AdamBoring())
+    assert trainer.global_step == 2
+    assert not (tmp_path / "ampzero_nvme").exists()
+    assert mine.is_dir() and list(mine.iterdir()) == []

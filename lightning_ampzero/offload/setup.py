@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lightning_ampzero.config import OffloadConfig
-from lightning_ampzero.offload.optimizer import OffloadedAdam, is_offloaded
+from lightning_ampzero.offload.optimizer import OffloadedAdam, _local, is_offloaded
 
 
 def swaps_parameters(config: OffloadConfig, device: torch.device) -> bool:
@@ -62,6 +62,21 @@ def resolve_nvme_dir(config: OffloadConfig, default_root_dir: str, warn: Callabl
         " default_root_dir). Set nvme_path to a directory on a fast local NVMe drive."
     )
     return path
+
+
+def remove_default_nvme_dir(config: OffloadConfig, path: Optional[Path]) -> None:
+    """End of fit: remove the ``ampzero_nvme`` folder :func:`resolve_nvme_dir` made when it is empty.
+
+    Each rank's swap files live in a folder of its own under it, removed at teardown; the default
+    folder itself was left behind, empty, in the user's working directory (a new-user trial). Every
+    rank tries, and the last one to finish finds it empty; a user's ``nvme_path`` is never touched.
+    """
+    if path is None or config.nvme_path is not None:
+        return
+    try:
+        path.rmdir()
+    except OSError:  # another rank's swap folder is still there, or it is already gone
+        pass
 
 
 def swap_parameters(model: torch.nn.Module, config: OffloadConfig, device: torch.device, *,
@@ -177,7 +192,7 @@ def _refuse_groups_added_later(callbacks: Sequence[Any]) -> None:
 def _warn_frozen(optimizer: Any, warn: Callable[[str], None]) -> None:
     from lightning_ampzero.estimate import format_bytes
 
-    frozen = sum(getattr(p, "_local_tensor", p).numel() for group in optimizer.param_groups for p in group["params"]
+    frozen = sum(_local(p).numel() for group in optimizer.param_groups for p in group["params"]
                  if not p.requires_grad)
     if frozen:
         warn(f"offload_optimizer: the optimizer holds {frozen:,} elements of frozen parameters on this rank, and"
