@@ -4,14 +4,17 @@ Tokens are the file's bytes (vocabulary 256, the default of ``GPTConfig``), so n
 has to be downloaded or shipped. The file is split once, by position, into a training part
 and a held-out tail; each part is cut into windows of ``block_size + 1`` bytes (input and
 next-byte target). The training loader shuffles; under a distributed strategy Lightning
-replaces its sampler with a ``DistributedSampler`` so every rank sees different windows.
+replaces its sampler with a ``DistributedSampler`` so every rank sees different windows. The
+training loader is resumable (:class:`ResumableLoader`): a checkpoint taken within an epoch
+continues with the batches that epoch had left.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -110,6 +113,56 @@ def split_tokens(tokens: torch.Tensor, val_fraction: float, block_size: int) -> 
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
 
 
+# [Note: a loader that resumes within its epoch]
+# Lightning saves a loader's state_dict() in the checkpoint when it has one, and hands it back
+# before the resumed fit's first iter(); a loader without one starts the interrupted epoch again
+# (the main job's default 200 steps end inside its first epoch, so every resume replayed it). The
+# state is the number of batches this epoch has yielded: Lightning prefetches no batch from a
+# loader with a length (loops/fetchers.py), so what was yielded was trained on. The resumed
+# epoch draws the same order (the DistributedSampler's is fixed by seed and epoch, which Lightning
+# sets before iter()) and skips that many batches of indices, without loading their data. A
+# checkpoint at an epoch's end saves 0: the next epoch starts whole. len() stays the epoch's full
+# length, which Lightning's progress counters assume.
+class ResumableLoader(DataLoader):
+    """A :class:`~torch.utils.data.DataLoader` that a checkpoint taken within an epoch resumes where it stopped."""
+
+    _yielded = 0
+    _skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self._yielded = self._skip
+        for batch in super().__iter__():
+            self._yielded += 1
+            yield batch
+
+    @property
+    def _index_sampler(self) -> Any:  # type: ignore[override]
+        return _SkipFirst(self, super()._index_sampler)
+
+    def state_dict(self) -> dict[str, int]:
+        done = self._yielded >= len(self)
+        return {"batches_yielded": 0 if done else self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = int(state.get("batches_yielded", 0))
+
+
+class _SkipFirst:
+    """The loader's batch sampler; the first iteration after a resume leaves out the batches already trained on."""
+
+    def __init__(self, loader: ResumableLoader, inner: Any) -> None:
+        self.loader, self.inner = loader, inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: the skip is taken when the first batch of indices is drawn, not at iter();
+        # torch's worker iterator calls iter() on its sampler twice before drawing (__init__, _reset).
+        skip, self.loader._skip = self.loader._skip, 0
+        yield from itertools.islice(self.inner, skip, None)
+
+
 def _datamodule_base() -> type:
     import lightning.pytorch as pl
 
@@ -135,7 +188,7 @@ class TextDataModule(_datamodule_base()):  # type: ignore[misc]
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"
-        return DataLoader(
+        return ResumableLoader(
             self.train_set, batch_size=self.config.batch_size, shuffle=True, drop_last=True,
             num_workers=self.config.num_workers, persistent_workers=self.config.num_workers > 0,
         )
