@@ -427,8 +427,9 @@ class Watchdog:
         if gone:
             lines.append("; ".join(f"Rank {r} {state}" + (f", last seen in {after[r].describe()}" if r in after else "")
                                    for r, state in sorted(gone.items()))
-                         + ". Killed (e.g. by the OOM killer) or crashed outside Python: its log, or the system log"
-                         " (dmesg), says why.")
+                         + ". It ended without an error of its own: stopped by a signal (Ctrl-C, kill, a scheduler's"
+                         " cancel, the OOM killer) or crashed outside Python; its log, or the system log (dmesg),"
+                         " says why.")
         if not failed and not gone:
             lines.append("Every other rank still responds: the connection itself failed (the network, or a peer"
                          " process outside this run).")
