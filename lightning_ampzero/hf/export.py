@@ -28,6 +28,7 @@ from torch import nn
 from lightning_ampzero.checkpoint.consolidate import DTYPES, Entry, every_rank_calls, parse_size, write_state
 from lightning_ampzero.hf.files import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from lightning_ampzero.hf.keys import (
+    ConvertedOnSave,
     find_pretrained_model,
     group_by_tensor,
     is_pretrained_model,
@@ -161,7 +162,13 @@ def save_pretrained(
         if distributed:
             dist.barrier()
         return paths
-    plan = export_plan(model)
+    try:
+        plan = export_plan(model)
+    except ConvertedOnSave as e:  # the same on every rank
+        paths = _save_whole(model, out, is_zero, dtype, max_shard_size, str(e))
+        if distributed:
+            dist.barrier()
+        return paths
     entries = [Entry(key, tuple(t.shape), _out_dtype(dtype, t.dtype)) for key, _, t in plan]
     tensors = {key: t for key, _, t in plan}
 
@@ -180,6 +187,44 @@ def save_pretrained(
     if distributed:
         dist.barrier()  # the directory is complete on every rank's return
     return paths
+
+
+# [Note: a model that transformers converts on save]
+# transformers 5 holds a mixture of experts' weights fused (Qwen2-MoE's and Mixtral's experts: one
+# [experts, ...] tensor per projection) and splits them back into per-expert tensors in its own
+# save_pretrained (weight converters). No file tensor is then one parameter, which the streaming
+# export needs, and every documented way out refused such a model (a new-user trial: Qwen2-MoE and
+# Mixtral at stages 0 and 3, live and from a checkpoint). Such a model is exported whole instead:
+# each tensor gathered once (tied ones share it), kept by rank zero, which hands the full state dict
+# to the model's own save_pretrained(state_dict=...), so transformers converts it as it always does.
+# Rank zero holds the whole model in host memory for the call (said in a warning); the other ranks
+# hold one gathered tensor at a time, as in the streaming export.
+def _save_whole(model: nn.Module, out: Path, is_zero: bool, dtype: Optional[str | torch.dtype],
+                max_shard_size: Any, why: str) -> list[Path]:
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from lightning_ampzero.estimate import format_bytes
+
+    full: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, value in model.state_dict(keep_vars=True).items():  # the same order on every rank
+            if id(value) not in done:
+                t = value.full_tensor() if hasattr(value, "full_tensor") else value  # collective
+                t = t.detach().to(device="cpu", dtype=_out_dtype(dtype, value.dtype))
+                done[id(value)] = t if is_zero else torch.empty(0)
+            if is_zero:
+                full[name] = done[id(value)]
+    if not is_zero:
+        return []
+    size = sum(t.nbytes for t in done.values())
+    rank_zero_warn(f"{why} The model is exported whole instead: rank 0 holds all of it ({format_bytes(size)}) for"
+                   f" {own_class_name(model)}.save_pretrained(state_dict=...), which converts it.")
+    out.mkdir(parents=True, exist_ok=True)
+    _clear_old_weights(out)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    type(model).save_pretrained(model, str(out), state_dict=full, is_main_process=True, **kwargs)
+    return sorted(p for p in out.iterdir() if p.is_file() and _OLD_SHARD.fullmatch(p.name))
 
 
 # [Note: save_pretrained of a sharded model]
@@ -334,8 +379,11 @@ def export_checkpoint(
     _check_loadable(ckpt)
     model = meta_model(hf_config, model_class)
     config, cls = AutoConfig.from_pretrained(str(hf_config)), type(model)  # the config as the user wrote it
-    plan = export_plan(model)
     keyed = {e.name: (key, meta) for key, e, meta in checkpoint_entries(ckpt)}
+    try:
+        plan = export_plan(model)
+    except ConvertedOnSave as e:
+        return _export_whole(ckpt, out, model, hf_config, keyed, prefix, dtype, max_shard_size, str(e))
     if prefix is None:
         prefix = _detect_prefix(list(keyed), {n for _, names, _ in plan for n in names})
     entries, source, missing = [], {}, []
@@ -367,3 +415,46 @@ def export_checkpoint(
     if gen_file.is_file():
         shutil.copyfile(gen_file, out / gen_file.name)
     return paths
+
+
+def _export_whole(ckpt: Path, out: Path, model: nn.Module, hf_config: str | Path, keyed: dict[str, Any],
+                  prefix: Optional[str], dtype: Optional[str], max_shard_size: Any, why: str) -> list[Path]:
+    """:func:`export_checkpoint` of a model that transformers converts on save ([Note: a model that
+    transformers converts on save]): the checkpoint's tensors loaded into the model built from the
+    config, and the model's own ``save_pretrained``. Holds the whole model in host memory."""
+    import warnings
+
+    from lightning_ampzero.checkpoint.consolidate import checkpoint_fetcher
+    from lightning_ampzero.estimate import format_bytes
+
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    names = list(shapes)
+    if prefix is None:
+        prefix = _detect_prefix(list(keyed), set(names))
+    source = {n: keyed[prefix + n] for n in names if prefix + n in keyed}
+    fetch = checkpoint_fetcher(ckpt, source)
+    full = {}
+    for n, (_, meta) in source.items():
+        full[n] = fetch(Entry(n, tuple(meta.size), _out_dtype(dtype, meta.properties.dtype)))
+        if tuple(meta.size) != shapes[n]:
+            raise ValueError(f"{prefix + n}: the checkpoint holds {tuple(meta.size)}, the model built from"
+                             f" {hf_config} has another shape: the config is not the trained model's.")
+    model.load_state_dict(full, strict=False, assign=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # a tied copy the checkpoint holds once
+    missing = [n for n, t in model.state_dict().items() if t.is_meta]
+    extra = [k for k in keyed if k.startswith(prefix) and k[len(prefix):] not in shapes]
+    if missing or extra:
+        raise ValueError(
+            f"{ckpt} does not match {type(model).__name__} built from {hf_config} under prefix {prefix!r}:"
+            f" {len(missing)} model tensors missing (e.g. {missing[:5]}), {len(extra)} checkpoint tensors"
+            f" not in the model (e.g. {extra[:5]}). Check --hf-config, --hf-class and --strip-prefix."
+        )
+    warnings.warn(f"{why} The model is exported whole instead: it is loaded into host memory"
+                  f" ({format_bytes(sum(t.nbytes for t in full.values()))}) for {type(model).__name__}.save_pretrained,"
+                  " which converts it.", stacklevel=3)
+    out.mkdir(parents=True, exist_ok=True)
+    _clear_old_weights(out)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(str(out), **kwargs)
+    return sorted(p for p in out.iterdir() if p.is_file() and _OLD_SHARD.fullmatch(p.name))

@@ -179,13 +179,16 @@ def model_to_checkpoint(model: nn.Module, named: dict[str, torch.Tensor]) -> dic
         else:
             converted.append(key)
     if converted:
-        raise NotImplementedError(
+        raise ConvertedOnSave(
             f"{type(model).__name__} saves {len(converted)} tensors through transformers weight converters"
-            f" (e.g. {converted[:3]}), which streaming export does not support. Export with"
-            " `ampzero-consolidate CKPT OUT --strip-prefix <prefix>`, load that into the model and call"
-            " its own `save_pretrained`."
+            f" (e.g. {converted[:3]}), which streaming export does not support."
         )
     return result
+
+
+class ConvertedOnSave(NotImplementedError):
+    """The model's ``save_pretrained`` builds new tensors from its parameters (transformers 5's MoE experts):
+    no file tensor is one parameter, so the export cannot stream (hf/export.py takes the whole model instead)."""
 
 
 def matches_any(name: str, patterns: Iterable[str] | None) -> bool:
