@@ -580,3 +580,57 @@ def test_skipped_steps_are_said_rate_limited_and_summed_up_at_teardown(monkeypat
     assert "8 skipped so far" in lines[4]
     plugin.teardown()
     assert "9 optimizer step(s) skipped for non-finite gradients" in said[-1] and "final loss scale 4096" in said[-1]
+
+
+# ---- [Note: clipping before the step]: manual optimization clips unscaled gradients ----------------
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    p = p.detach()
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).clone()
+
+
+class _ManualClip(pl.LightningModule):
+    def __init__(self, algorithm: str, clip: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        self.automatic_optimization = False
+        self.algorithm, self.clip = algorithm, clip
+        self.moves: list[tuple[float, float]] = []  # (norm, max abs) of each step's change of the weights
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        before = [_whole(p) for p in self.parameters()]
+        opt.zero_grad()
+        self.manual_backward(((self.net(batch[0]) - batch[1]) ** 2).mean())
+        self.clip_gradients(opt, self.clip, self.algorithm)
+        opt.step()
+        delta = torch.cat([(_whole(p) - b).flatten() for p, b in zip(self.parameters(), before)])
+        self.moves.append((delta.norm().item(), delta.abs().max().item()))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_manual_clip_gradients_under_fp16_clips_the_unscaled_gradients(algorithm):
+    """SGD at lr 1 moves the weights by exactly the clipped gradient: clip norm 0.5 gives steps of norm
+    0.5, as in fp32. Before the fix fp16 clipped the gradients times the loss scale (65536) and moved
+    them 0.5 / 65536 per step."""
+    clip = 0.5 if algorithm == "norm" else 0.01
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    moved = {}
+    for precision in ("32-true", "16-mixed"):
+        module = _ManualClip(algorithm, clip)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="ampzero_stage_2", precision=precision,
+                             max_steps=16, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+        taken = [m for m in module.moves if m[0] > 0]  # fp16 skips its first steps (DeepSpeed's scale 2^16)
+        assert len(taken) >= 4, module.moves
+        moved[precision] = taken
+    for precision, taken in moved.items():
+        for norm, largest in taken:
+            measured = norm if algorithm == "norm" else largest
+            assert measured == pytest.approx(clip, rel=2e-3), (precision, taken)

@@ -213,6 +213,11 @@ class _ScalerBase:
         state = self._per_optimizer.get(id(optimizer))
         return bool(state and state["found_inf"])
 
+    def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``unscale_`` already ran for ``optimizer`` in this iteration (before its ``step``)."""
+        state = self._per_optimizer.get(id(optimizer))
+        return bool(state and state["stage"] == _UNSCALED)
+
     def get_scale(self) -> float:
         return self._scale
 
