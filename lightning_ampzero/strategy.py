@@ -909,7 +909,12 @@ class AmpZeroStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         assert self.lightning_module is not None
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        # Optimizer states only for a fit: trainer.test(ckpt_path="best") after fit still has the fit's
+        # optimizers, and a weights-only checkpoint was refused there (a new-user trial; Lightning's
+        # strategies restore optimizers only when fitting, too).
+        trainer = self.lightning_module._trainer
+        fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
         callbacks = self._callbacks()
         try:
             checkpoint, loaded = load_sharded(path, self._state_module(), optimizers,

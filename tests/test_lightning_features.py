@@ -223,3 +223,48 @@ def test_sync_batchnorm_converts_the_batchnorm_layers_before_wrapping_on_a_gpu()
     assert model[1].weight is weight  # the same parameters: what the optimizer and the shards hold
     plain = nn.Sequential(nn.BatchNorm2d(4))
     assert sync_batchnorm_layers(None, plain, "cpu") is plain and type(plain[0]) is nn.BatchNorm2d
+
+
+def _weight_sum(module) -> float:
+    return sum(getattr(p, "full_tensor", lambda p=p: p)().sum().item() for p in module.parameters())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_test_after_fit_from_a_weights_only_best_checkpoint(tmp_path, stage):
+    """trainer.test(ckpt_path="best") right after fit, with ModelCheckpoint(save_weights_only=True): the
+    fit's optimizers are still there, and the load asked the checkpoint for their states (KeyError "contains
+    only the model", a new-user trial). Outside a fit no optimizer state is loaded, as under ddp; the
+    test then sees the best checkpoint's weights, not the last ones."""
+    import warnings
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Model(BoringModel):
+        def validation_step(self, batch, batch_idx):
+            loss = super().validation_step(batch, batch_idx)["x"]
+            self.log("val_loss", float(self.current_epoch == 0) + 0 * loss)  # epoch 0 is the best
+            return loss
+
+        def test_step(self, batch, batch_idx):
+            self.log("weight_sum", _weight_sum(self))
+            return super().test_step(batch, batch_idx)
+
+    best = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", mode="max", save_top_k=1,
+                                        save_weights_only=True)
+    weights_after: list[float] = []
+
+    class AfterEpoch(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            weights_after.append(_weight_sum(pl_module))
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=f"ampzero_stage_{stage}", max_epochs=2,
+                         limit_train_batches=3, limit_val_batches=1, limit_test_batches=1, logger=False,
+                         callbacks=[best, AfterEpoch()], enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Model())
+        [result] = trainer.test(ckpt_path="best", verbose=False)
+    assert best.best_model_path.endswith("epoch=0-step=3.ckpt")
+    assert weights_after[0] != weights_after[1]
+    assert result["weight_sum"] == pytest.approx(weights_after[0], rel=1e-6)
