@@ -71,6 +71,7 @@ from lightning_ampzero.config import (
     AmpZeroConfig,
     CompileConfig,
     OffloadConfig,
+    PrecisionConfig,
     ZeroConfig,
     stage0_bucket_mb,
 )
@@ -183,6 +184,10 @@ def _nested_home(name: str) -> str:
     return ""
 
 
+#: Trainer(precision=...) spellings Lightning still takes, as its own precision strings.
+_LIGHTNING_SPELLINGS = {"16": "16-mixed", "32": "32-true", "bf16": "bf16-mixed"}
+
+
 def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroConfig, Any]:
     """The AmpZeroConfig for a strategy: from ours, a DeepSpeed config (path or dict), or defaults; plus overrides.
 
@@ -207,10 +212,13 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
             f"config must be an AmpZeroConfig, a DeepSpeed config (dict or path to a JSON file) or None,"
             f" got {type(config).__name__}."
         )
-    if isinstance(overrides.get("precision"), str):
+    if overrides.get("precision") is not None and not isinstance(overrides["precision"], (PrecisionConfig, Mapping)):
         # [precision] AmpZeroStrategy(precision="16-mixed"): shorthand for the precision config's
-        # `precision`, which wins over the Trainer's flag (the way to get 16-mixed on CPU).
+        # `precision`, which wins over the Trainer's flag (the way to get 16-mixed on CPU). Lightning's
+        # older spellings (precision=16, "bf16", as Trainer takes them) mean what they mean there; an
+        # int was stored unchecked and failed inside fit (a new-user trial).
         overrides = dict(overrides)
+        overrides["precision"] = _LIGHTNING_SPELLINGS.get(str(overrides["precision"]), overrides["precision"])
         cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, precision=overrides.pop("precision")))
     owner = _flat_keywords()  # [offload] flat too: offload_optimizer="cpu", ...
     unknown = [k for k in overrides if k not in owner]

@@ -83,6 +83,16 @@ def test_strategy_precision_wins_over_the_trainer_flag():
     assert trainer.precision == "bf16-true" and trainer.precision_plugin.scaler.checks_overflow
 
 
+def test_strategy_precision_takes_lightnings_older_spellings_and_refuses_the_rest_on_construction():
+    # precision=16 (Lightning users' habit) was stored unchecked and failed inside fit with an AttributeError
+    for given, meant in ((16, "16-mixed"), ("16", "16-mixed"), (32, "32-true"), ("bf16", "bf16-mixed")):
+        assert AmpZeroStrategy(stage=2, precision=given).config.precision.precision == meant
+    assert _trainer(strategy=AmpZeroStrategy(stage=2, precision=16)).precision == "16-mixed"
+    for bad in (64, True, 16.0):
+        with pytest.raises(ValueError, match=rf"precision.precision={bad!r} is not valid. Allowed values: '32-true'"):
+            AmpZeroStrategy(stage=2, precision=bad)
+
+
 # ---------------------------------------------------------------------------------------------
 # Invalid combinations, rejected on construction with a message naming them
 # ---------------------------------------------------------------------------------------------
