@@ -785,6 +785,29 @@ def test_cli_checks_the_batch_sizes_against_the_world_size(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_cli_without_world_size_derives_the_batch_for_ampzero_trains_processes_and_says_so(tmp_path, capsys):
+    # train_batch_size was dropped without a word when --world-size was not given: the run trained a
+    # global batch of 4 where DeepSpeed trains 16 (a new-user trial)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+                                "zero_optimization": {"stage": 2}}))
+    assert config_main(["from-deepspeed", str(path)]) == 0
+    out = capsys.readouterr()
+    assert "trainer.accumulate_grad_batches=4 data.batch_size=2" in out.out  # 16 = 2 x 4 x 2 processes
+    assert "train_batch_size=16: derived for ampzero-train's default 2 processes" in out.err
+    assert config_main(["from-deepspeed", str(path), "--world-size", "4"]) == 0
+    out = capsys.readouterr()
+    assert "trainer.accumulate_grad_batches=2 data.batch_size=2" in out.out and "derived for" not in out.err
+    path.write_text(json.dumps({"train_batch_size": 32}))
+    assert config_main(["from-deepspeed", str(path), "--yaml"]) == 0
+    assert "batch_size: 16" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        config_main(["from-deepspeed", str(path), "--world-size", "0"])
+    assert "must be at least 1" in capsys.readouterr().err
+    assert config_main(["from-deepspeed", str(tmp_path)]) == 2
+    assert "is a directory: give the JSON file in it" in capsys.readouterr().err
+
+
 def test_two_batch_sizes_imply_the_accumulation_as_deepspeed_infers_it(capsys):
     # DeepSpeed takes any two of the three batch settings (a Megatron-DeepSpeed script's 8 and 2 on
     # 2 ranks was refused as "must equal 4": a new-user trial); accumulation = 8 / (2 x 2).

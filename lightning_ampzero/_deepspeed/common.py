@@ -66,6 +66,9 @@ def _load(config: Union[str, os.PathLike, Mapping[str, Any]]) -> tuple[dict[str,
     if isinstance(config, Mapping):
         return dict(config), "<dict>"
     path = Path(config)
+    if path.is_dir():
+        raise FileNotFoundError(f"DeepSpeed config {str(path)!r} is a directory: give the JSON file in it"
+                                " (e.g. ds_config.json).")
     if not path.is_file():
         raise FileNotFoundError(f"DeepSpeed config file {str(path)!r} does not exist.")
 

@@ -31,9 +31,22 @@ def _parser() -> argparse.ArgumentParser:
     ds.add_argument("path", help="the DeepSpeed config (JSON)")
     ds.add_argument("--yaml", action="store_true", help="print an experiment YAML instead of overrides")
     ds.add_argument("--name", default="deepspeed", help="experiment name used in the YAML's comments")
-    ds.add_argument("--world-size", type=int, default=None,
-                    help="processes in total, to derive data.batch_size when the config gives only train_batch_size")
+    ds.add_argument("--world-size", type=_positive_int, default=None,
+                    help="processes in total (trainer.devices x trainer.num_nodes), to derive the accumulation or"
+                         " data.batch_size from train_batch_size (default: ampzero-train's"
+                         f" {DEFAULT_WORLD_SIZE} processes)")
     return parser
+
+
+#: ampzero-train's processes when nothing says otherwise (hydra_schema.TrainerConfig: devices=2, one node).
+DEFAULT_WORLD_SIZE = 2
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -50,10 +63,18 @@ def _from_deepspeed(args: argparse.Namespace) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # listed below, one line per key
             imported = convert_deepspeed_config(args.path, warn=False)
+        world = args.world_size
+        if world is None and imported.train_batch_size is not None:
+            # The global batch depends on the processes; without them train_batch_size was dropped,
+            # silently, and the run trained a smaller batch (a new-user trial: 4 sequences for 16).
+            world = DEFAULT_WORLD_SIZE
+            print(f"ampzero-config: note: train_batch_size={imported.train_batch_size}: derived for ampzero-train's"
+                  f" default {world} processes (trainer.devices={world}); pass --world-size N for another count.",
+                  file=sys.stderr)
         if args.yaml:
-            text = imported.hydra_yaml(args.name, world_size=args.world_size)
+            text = imported.hydra_yaml(args.name, world_size=world)
         else:
-            text = "ampzero-train " + " ".join(shlex.quote(o) for o in imported.hydra_overrides(args.world_size))
+            text = "ampzero-train " + " ".join(shlex.quote(o) for o in imported.hydra_overrides(world))
     except (DeepSpeedConfigError, FileNotFoundError) as e:
         print(f"ampzero-config: error: {e}", file=sys.stderr)
         return 2
