@@ -936,3 +936,18 @@ def test_a_bucket_size_of_zero_is_the_smallest_bucket_as_deepspeed_allows():
 def test_the_deprecated_boolean_zero_optimization_is_read_as_deepspeed_reads_it():
     assert convert_deepspeed_config({"zero_optimization": True}).config.zero.stage == 1
     assert convert_deepspeed_config({"zero_optimization": False}).config.zero.stage == 0
+
+
+def test_deepspeed_keys_refused_as_misspelt_by_a_migration_trial_are_taken():
+    # fp32_allreduce and vocabulary_size are DeepSpeed top-level keys; cpu_offload_param is the spelling of
+    # DeepSpeed's current ZeRO config model (the plural is its older one): all three stopped the import
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = convert_deepspeed_config({"fp32_allreduce": True, "vocabulary_size": 50257, "bf16": {"enabled": True},
+                                      "zero_optimization": {"stage": 3, "cpu_offload_param": True}})
+        assert r.config.precision.communication_data_type == "fp32"
+        assert r.config.offload.offload_param == "cpu"
+        assert "vocabulary_size" in dict(r.no_effect)
+        r = convert_deepspeed_config({"fp32_allreduce": True, "communication_data_type": "bf16"})
+        assert r.config.precision.communication_data_type == "bf16"  # the explicit one wins, as in DeepSpeed
+        assert "communication_data_type is given" in dict(r.no_effect)["fp32_allreduce"]

@@ -34,6 +34,8 @@ _TOP: dict[str, Any] = {
     "gradient_accumulation_steps": "trainer.accumulate_grad_batches",
     "gradient_clipping": "trainer.gradient_clip_val",
     "communication_data_type": _HANDLED,
+    "fp32_allreduce": _HANDLED,
+    "vocabulary_size": _NoEffect("DeepSpeed's own model-side features read it; the model here is yours"),
     "zero_optimization": _HANDLED,
     "fp16": _HANDLED,
     "bf16": _HANDLED,

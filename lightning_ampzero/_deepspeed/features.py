@@ -67,8 +67,9 @@ def convert_offload(conv: Any, z: Mapping[str, Any]) -> None:
     # DeepSpeed's pre-0.3.13 spelling of the same two switches.
     if z.get("cpu_offload") is True and opt_dev == "none":
         opt_dev, opt_key = "cpu", "zero_optimization.cpu_offload"
-    if z.get("cpu_offload_params") is True and par_dev == "none":
-        par_dev, par_key = "cpu", "zero_optimization.cpu_offload_params"
+    for legacy in ("cpu_offload_params", "cpu_offload_param"):
+        if z.get(legacy) is True and par_dev == "none":
+            par_dev, par_key = "cpu", f"zero_optimization.{legacy}"
     if opt_dev != "none":
         conv.set("offload.offload_optimizer", opt_dev, opt_key)
     if par_dev != "none":

@@ -112,6 +112,14 @@ def convert_precision(conv: Any, data: Mapping[str, Any]) -> None:
             conv.errors.append(f"communication_data_type={comm!r} is not valid. Allowed values: fp32, fp16, bf16.")
         else:
             conv.set("precision.communication_data_type", mapped, "communication_data_type")
+    # DeepSpeed's older switch for the same thing (reduce the gradients in fp32); communication_data_type
+    # wins where both are given, as in DeepSpeed. It was refused as a misspelt key (a new-user trial).
+    fp32_allreduce = data.get("fp32_allreduce")
+    if fp32_allreduce is True and comm is None:
+        conv.set("precision.communication_data_type", "fp32", "fp32_allreduce")
+    elif fp32_allreduce is not None:
+        conv.no_effect.append(("fp32_allreduce", "communication_data_type is given" if fp32_allreduce else
+                               "false is the default: gradients reduce in the precision's own dtype"))
     amp = conv.section(data.get("amp"), "amp")
     if amp.get("enabled"):
         conv.no_effect.append(("amp", _AMP.reason))

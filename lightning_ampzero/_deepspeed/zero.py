@@ -20,6 +20,7 @@ _ZERO: dict[str, Any] = {
     "offload_param": _HANDLED,
     "cpu_offload": _HANDLED,
     "cpu_offload_params": _HANDLED,
+    "cpu_offload_param": _HANDLED,  # the spelling of DeepSpeed's current ZeRO config model
     "cpu_offload_use_pin_memory": _HANDLED,
     "overlap_comm": "zero.overlap_comm",  # stages 1-3 (convert_zero: a note at stage 0)
     "contiguous_gradients": _NoEffect("FSDP2 reduces gradients from contiguous buffers already"),
