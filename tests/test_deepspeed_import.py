@@ -241,10 +241,8 @@ def test_unknown_keys_fail_with_path_and_suggestion(config, expected):
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable one precision"),
         ({"communication_data_type": "int8"}, "Allowed values: fp32, fp16, bf16"),
         ({"optimizer": {"type": "Adamm", "params": {}}}, "Allowed values: 'Adam', 'AdamW'"),
-        ({"scheduler": {"type": "OneCycle", "params": {}}}, "configure it in your LightningModule"),
-        # with its own params: "not supported", not "misspelt keys" (a trial)
-        ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}},
-         "'OneCycle' is not supported (a DeepSpeed scheduler: configure it in your LightningModule, e.g. torch.optim.lr_scheduler.OneCycleLR(anneal_strategy='linear'))"),
+        ({"scheduler": {"type": "WarmupDecayLRR", "params": {}}},
+         "scheduler.type='WarmupDecayLRR' is not supported. Allowed values: 'WarmupLR', 'WarmupDecayLR'."),
         ({"zero_optimization": {"offload_param": {"device": "gpu"}}}, "'none', 'cpu', 'nvme'"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be a whole number >= 1"),
         ({"msamp": {"enabled": True, "opt_level": "O3"}}, "Allowed values: 'O1', 'O2'"),
@@ -951,3 +949,34 @@ def test_deepspeed_keys_refused_as_misspelt_by_a_migration_trial_are_taken():
         r = convert_deepspeed_config({"fp32_allreduce": True, "communication_data_type": "bf16"})
         assert r.config.precision.communication_data_type == "bf16"  # the explicit one wins, as in DeepSpeed
         assert "communication_data_type is given" in dict(r.no_effect)["fp32_allreduce"]
+
+
+@pytest.mark.parametrize("name", ["WarmupCosineLR", "OneCycle", "LRRangeTest"])
+def test_another_deepspeed_scheduler_is_ignored_beside_the_modules_own_and_refused_without_it(name):
+    # It was refused at construction even where the module's own scheduler wins (DeepSpeed 0.15+), a
+    # migration trial; with its own params (cycle_min_lr, ...) it was once "misspelt keys".
+    params = {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3} if name == "OneCycle" else {"total_num_steps": 10}
+    r = convert_deepspeed_config({"scheduler": {"type": name, "params": params}, "zero_optimization": {"stage": 2}})
+    assert r.scheduler is None and f"scheduler.type={name!r} (a DeepSpeed scheduler) is not built here" in \
+        r.unsupported_scheduler
+    own = _own_optimizer_module(with_scheduler=True)
+    own.trainer = SimpleNamespace(estimated_stepping_batches=7)  # type: ignore[assignment]
+    r.install_optimizers(own)
+    with pytest.warns(DeepSpeedConfigWarning, match="scheduler section is\\s+ignored"):
+        out = own.configure_optimizers()
+    assert _single_scheduler(out) is not None  # the module's, untouched
+    plain = _own_optimizer_module()
+    plain.trainer = SimpleNamespace(estimated_stepping_batches=7)  # type: ignore[assignment]
+    r.install_optimizers(plain)
+    with pytest.raises(DeepSpeedConfigError, match=f"configures no LR scheduler, and the config's scheduler.type={name!r}"):
+        plain.configure_optimizers()
+    with pytest.raises(DeepSpeedConfigError, match="configures no optimizer"):
+        r.configure_optimizers(_bare_module())
+    with pytest.raises(DeepSpeedConfigError, match="remove the scheduler section"):
+        r.hydra_values(2)
+
+
+def _single_scheduler(result):
+    from lightning_ampzero._deepspeed.result import _single_optimizer
+
+    return _single_optimizer(result)[1]

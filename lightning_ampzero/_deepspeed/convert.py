@@ -111,6 +111,7 @@ class _Converter:
         self.errors: list[str] = []
         self.optimizer: Optional[OptimizerConfig] = None
         self.unsupported_optimizer: Optional[str] = None
+        self.unsupported_scheduler: Optional[str] = None
         self.optimizer_auto: list[str] = []
         self.scheduler: Optional[SchedulerConfig] = None
         self.notes: list[tuple[str, str]] = []
@@ -239,7 +240,7 @@ class _Converter:
             train_batch_size=sizes.get("train_batch_size"), optimizer=self.optimizer, scheduler=self.scheduler,
             no_effect=tuple(self.no_effect), auto=tuple(self.auto), source=self.source,
             optimizer_auto=tuple(self.optimizer_auto), notes=tuple(self.notes),
-            unsupported_optimizer=self.unsupported_optimizer,
+            unsupported_optimizer=self.unsupported_optimizer, unsupported_scheduler=self.unsupported_scheduler,
             auto_targets=tuple(self.auto_targets.items()), fp16_auto_loss_scaler=self.fp16_auto_loss_scaler,
         )
 

@@ -75,6 +75,9 @@ class ImportedDeepSpeedConfig:
     #: the section would have to be built. The message says so. (Its ``params`` were refused as
     #: "unknown keys" before the type was read: Lamb's ``max_coeff``, a new-user trial.)
     unsupported_optimizer: Optional[str] = None
+    #: The same for a ``scheduler`` section naming one of DeepSpeed's other schedulers (WarmupCosineLR,
+    #: OneCycle, LRRangeTest): an error only where no scheduler of the module's would win over it.
+    unsupported_scheduler: Optional[str] = None
     #: ``fp16.enabled: "auto"``: the section's loss-scaler values, for a run whose precision turns out
     #: to be fp16 (:meth:`precision_config`); None when the section sets none.
     fp16_auto_loss_scaler: Optional[LossScalerConfig] = None
@@ -251,7 +254,8 @@ class ImportedDeepSpeedConfig:
         ``AmpZeroStrategy.connect`` (Lightning rejects a module without configure_optimizers
         before the strategy's setup runs).
         """
-        if self.optimizer is None and self.scheduler is None and self.unsupported_optimizer is None:
+        if (self.optimizer is None and self.scheduler is None and self.unsupported_optimizer is None
+                and self.unsupported_scheduler is None):
             return
         original = module.configure_optimizers
         if getattr(original, "_ampzero_deepspeed", False):
@@ -286,6 +290,14 @@ class ImportedDeepSpeedConfig:
                   " ignored, as DeepSpeed ignores it for a client optimizer. To train with the section's optimizer"
                   " (what Lightning's DeepSpeedStrategy and Hugging Face's Trainer do), return None from"
                   " configure_optimizers.")
+        if self.unsupported_scheduler is not None:
+            single, own = _single_optimizer(result)
+            if single is not None and own is None:  # the section's would step it: DeepSpeed builds it there
+                raise DeepSpeedConfigError(f"DeepSpeed config {self.source}: the LightningModule configures no LR"
+                                           f" scheduler, and the config's {self.unsupported_scheduler}")
+            _warn("The LightningModule configures its own LR scheduler; the DeepSpeed config's scheduler section is"
+                  " ignored, as DeepSpeed (0.15 and later) ignores it for a client scheduler.")
+            return result
         if self.scheduler is None or self.scheduler.type is None:
             return result
         optimizer, own_scheduler = _single_optimizer(result)
@@ -306,9 +318,10 @@ class ImportedDeepSpeedConfig:
 
     def configure_optimizers(self, module: Any, trainer: Any = None) -> Any:
         """Build the ``optimizer`` and ``scheduler`` sections for ``module`` (Lightning's return format)."""
-        if self.unsupported_optimizer is not None:
-            raise DeepSpeedConfigError(f"DeepSpeed config {self.source}: the LightningModule configures no optimizer,"
-                                       f" and the config's {self.unsupported_optimizer}")
+        for unsupported in (self.unsupported_optimizer, self.unsupported_scheduler):
+            if unsupported is not None:
+                raise DeepSpeedConfigError(f"DeepSpeed config {self.source}: the LightningModule configures no"
+                                           f" optimizer, and the config's {unsupported}")
         opt_cfg = self.optimizer or OptimizerConfig()
         if "lr" in self.optimizer_auto:
             lr = _module_lr(module)
@@ -396,6 +409,9 @@ class ImportedDeepSpeedConfig:
         if self.unsupported_optimizer is not None:  # ampzero-train builds the optimizer from the `optim` node
             raise DeepSpeedConfigError(f"DeepSpeed config {self.source}: {self.unsupported_optimizer} ampzero-train"
                                        " builds its optimizer from the optim node: remove the optimizer section.")
+        if self.unsupported_scheduler is not None:
+            raise DeepSpeedConfigError(f"DeepSpeed config {self.source}: {self.unsupported_scheduler} ampzero-train"
+                                       " builds its schedule from the optim node: remove the scheduler section.")
         out: dict[str, Any] = {}
         zero = _diff(self.config.zero, ZeroConfig(stage=self.config.zero.stage))
         if zero:
