@@ -205,7 +205,7 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
     elif isinstance(config, (str, os.PathLike, Mapping)):
         from lightning_ampzero.deepspeed import convert_deepspeed_config
 
-        imported = convert_deepspeed_config(config)
+        imported = convert_deepspeed_config(config, stage_given="stage" in overrides)
         cfg = imported.config
     else:
         raise TypeError(

@@ -463,7 +463,10 @@ def test_another_deepspeed_optimizer_is_ignored_beside_the_modules_own_and_refus
         r.configure_optimizers(_bare_module())
     assert "(e.g. timm.optim.Lamb)" in r.unsupported_optimizer
     # each names what to configure instead: not Lamb for SGD (a trial)
-    assert "(torch.optim.SGD)" in convert_deepspeed_config({"optimizer": {"type": "SGD"}}).unsupported_optimizer
+    sgd = convert_deepspeed_config({"optimizer": {"type": "SGD"}}).unsupported_optimizer
+    assert "(torch.optim.SGD)" in sgd and "'SGD' (a torch optimizer)" in sgd  # not "a DeepSpeed optimizer"
+    with pytest.raises(DeepSpeedConfigError, match=r"configure torch.optim.AdamW\(..., amsgrad=True\) in the"):
+        convert_deepspeed_config({"optimizer": {"type": "AdamW", "params": {"amsgrad": True}}})
     # any other torch.optim class, which DeepSpeed builds by its name, as well (it was an error beside the module's)
     rms = convert_deepspeed_config({"optimizer": {"type": "RMSprop", "params": {"alpha": 0.9}}})
     assert rms.optimizer is None and "(torch.optim.RMSprop)" in rms.unsupported_optimizer
@@ -980,3 +983,16 @@ def _single_scheduler(result):
     from lightning_ampzero._deepspeed.result import _single_optimizer
 
     return _single_optimizer(result)[1]
+
+
+def test_no_stage_0_note_when_a_stage_is_given_beside_the_config():
+    # "zero_optimization.stage: absent: stage 0 ..." was said for AmpZeroStrategy(config={...}, stage=3),
+    # which runs stage 3 (a migration trial)
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert AmpZeroStrategy(config={"gradient_clipping": 1.0}, stage=3).config.zero.stage == 3
+    assert not [w for w in said if "absent: stage 0" in str(w.message)]
+    with pytest.warns(DeepSpeedConfigWarning, match="absent: stage 0"):
+        assert AmpZeroStrategy(config={"gradient_clipping": 1.0}).config.zero.stage == 0

@@ -590,6 +590,12 @@ def test_skipped_steps_are_said_rate_limited_and_summed_up_at_teardown(monkeypat
     assert "8 skipped so far" in lines[4]
     plugin.teardown()
     assert "9 optimizer step(s) skipped for non-finite gradients" in said[-1] and "final loss scale 4096" in said[-1]
+    # a static scale is not kept by hysteresis (a migration trial's "loss_scale": 65536)
+    said.clear()
+    static = AmpZeroPrecision("16-mixed", PrecisionConfig(loss_scaler=LossScalerConfig(loss_scale=65536)), device="cpu")
+    static._stub = _StubModule()
+    _step(static, net, opt, 0.5, overflow=True)
+    assert "loss scale kept at 65536 (static loss scale); 1 skipped so far" in said[0], said
 
 
 # ---- [Note: clipping before the step]: manual optimization clips unscaled gradients ----------------

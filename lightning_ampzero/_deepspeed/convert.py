@@ -103,6 +103,7 @@ class _Converter:
 
     def __init__(self, source: str) -> None:
         self.source = source
+        self.stage_given = False
         self.values: dict[str, Any] = {}
         self.no_effect: list[tuple[str, str]] = []
         self.auto: list[str] = []
@@ -275,9 +276,12 @@ def _keys_for(values: Mapping[str, tuple[Any, str]], error: Exception) -> str:
 
 
 def convert_deepspeed_config(
-    config: Union[str, os.PathLike, Mapping[str, Any]], *, warn: bool = True
+    config: Union[str, os.PathLike, Mapping[str, Any]], *, warn: bool = True, stage_given: bool = False
 ) -> ImportedDeepSpeedConfig:
     """Convert a DeepSpeed config (path to its JSON file, or a dict) to :class:`ImportedDeepSpeedConfig`.
+
+    ``stage_given``: a stage is given beside the config (``AmpZeroStrategy(config=..., stage=3)``) and wins,
+    so a config without ``zero_optimization.stage`` is not noted as meaning stage 0.
 
     Raises :class:`DeepSpeedConfigError` for unknown keys (with suggestions), bad values and
     contradictions. With ``warn``, keys that have no effect here are listed in one
@@ -285,6 +289,7 @@ def convert_deepspeed_config(
     """
     data, source = _load(config)
     converter = _Converter(source)
+    converter.stage_given = stage_given
     converter.convert(data)
     result = converter.result()
     parts = []

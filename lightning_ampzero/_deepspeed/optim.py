@@ -222,7 +222,8 @@ def convert_optimizer(conv: Any, opt: dict[str, Any]) -> None:
         # when the module configures no optimizer ([Note: a DeepSpeed optimizer we do not build]).
         standin = _OPTIMIZER_STANDINS.get(name.lower(), f"torch.optim.{name}" if in_torch else "its own implementation")
         conv.unsupported_optimizer = (
-            f"optimizer.type={name!r} (a DeepSpeed optimizer) is not built here: only 'Adam' and 'AdamW' are."
+            f"optimizer.type={name!r} ({'a torch' if in_torch else 'a DeepSpeed'}"
+            " optimizer) is not built here: only 'Adam' and 'AdamW' are."
             f" Configure it in the LightningModule's configure_optimizers() ({standin}), and the"
             " config's optimizer section is ignored, as DeepSpeed ignores it for a client optimizer.")
         return
@@ -237,9 +238,12 @@ def convert_optimizer(conv: Any, opt: dict[str, Any]) -> None:
         if key in params:
             conv.no_effect.append((f"optimizer.params.{key}", "torch's fused Adam(W) is used on CPU and CUDA, foreach elsewhere"))
     if params.get("amsgrad"):
-        conv.errors.append("optimizer.params.amsgrad=true is not supported.")
+        conv.errors.append("optimizer.params.amsgrad=true is not supported by the section: configure"
+                           f" torch.optim.{kind}(..., amsgrad=True) in the LightningModule's configure_optimizers()"
+                           " (the section is then ignored).")
     if params.get("bias_correction") is False:
-        conv.errors.append("optimizer.params.bias_correction=false is not supported (torch Adam(W) always corrects).")
+        conv.errors.append("optimizer.params.bias_correction=false is not supported (torch Adam(W) always corrects):"
+                           " remove it, or configure an optimizer without bias correction in the LightningModule.")
     kwargs: dict[str, Any] = {"type": kind}
     for key in ("lr", "betas", "eps", "weight_decay"):
         if key not in params:

@@ -75,9 +75,10 @@ _STAGE3_ONLY = ("stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_p
 def convert_zero(conv: Any, z: dict[str, Any]) -> None:
     if "stage" not in z:  # DeepSpeed's default, with or without the section: no ZeRO, plain data parallel
         conv.set("zero.stage", 0, "zero_optimization.stage (absent: DeepSpeed's default)")
-        # said, as the strategy's own default is stage 2
-        conv.notes.append(("zero_optimization.stage", "absent: stage 0 as in DeepSpeed, plain data parallel"
-                           " (DDP); set it, or pass stage= to AmpZeroStrategy, for ZeRO"))
+        # said, as the strategy's own default is stage 2 (unless a stage= given beside the config wins)
+        if not conv.stage_given:
+            conv.notes.append(("zero_optimization.stage", "absent: stage 0 as in DeepSpeed, plain data parallel"
+                               " (DDP); set it, or pass stage= to AmpZeroStrategy, for ZeRO"))
     if not z:
         return
     stage = z.get("stage", 0)

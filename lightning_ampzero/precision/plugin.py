@@ -298,7 +298,9 @@ class AmpZeroPrecision(Precision):
         if skipped > 3 and skipped & (skipped - 1):
             return
         scale = self.scaler.get_scale()
-        change = f"loss scale {scale_before:g} -> {scale:g}" if scale != scale_before else f"loss scale kept at {scale:g} (hysteresis)"
+        config = getattr(self.scaler, "config", None)
+        why = "hysteresis" if getattr(config, "dynamic", False) else "static loss scale"
+        change = f"loss scale {scale_before:g} -> {scale:g}" if scale != scale_before else f"loss scale kept at {scale:g} ({why})"
         more = " (further skips are reported at powers of two; the count is logged as 'skipped_steps')" if skipped == 3 else ""
         rank_zero_info(f"precision={self.precision!r}: step {step} skipped, non-finite gradients on some rank;"
                        f" {change}; {skipped} skipped so far.{more}")
