@@ -620,8 +620,16 @@ class AmpZeroStrategy(ParallelStrategy):
             self._sigterm = (loop, check, connector)
 
     def _apply_activation_checkpointing(self, module: torch.nn.Module) -> None:
-        self.activation_checkpointing = apply_activation_checkpointing(
-            module, self.config.activation_checkpointing, mesh=self._device_mesh, warn=rank_zero_warn)
+        try:
+            self.activation_checkpointing = apply_activation_checkpointing(
+                module, self.config.activation_checkpointing, mesh=self._device_mesh, warn=rank_zero_warn)
+        except ValueError as e:
+            # A DeepSpeed config's section turned it on (DeepSpeed itself would do nothing for a model that
+            # never calls its checkpointing API): say where it came from (a migration trial).
+            if self.imported is None or not any(key == "activation_checkpointing" for key, _ in self.imported.notes):
+                raise
+            raise ValueError(f"{e} It was turned on by the activation_checkpointing section of the DeepSpeed config"
+                             f" {self.imported.source}: remove that section to train without checkpointing.") from None
 
     def _wrap_ddp(self, module: torch.nn.Module, init_sync: bool = True) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel

@@ -996,3 +996,21 @@ def test_no_stage_0_note_when_a_stage_is_given_beside_the_config():
     assert not [w for w in said if "absent: stage 0" in str(w.message)]
     with pytest.warns(DeepSpeedConfigWarning, match="absent: stage 0"):
         assert AmpZeroStrategy(config={"gradient_clipping": 1.0}).config.zero.stage == 0
+
+
+def test_a_deepspeed_activation_checkpointing_section_on_a_model_without_blocks_names_the_section():
+    # the error said to name block classes; the section the user never meant as "checkpoint" was the cause
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    strategy = AmpZeroStrategy(config={"zero_optimization": {"stage": 2},
+                                       "activation_checkpointing": {"partition_activations": False}})
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="found no block to checkpoint.*turned on by the activation_checkpointing"
+                                             " section of the DeepSpeed config <dict>: remove that section"):
+            trainer.fit(BoringModel())
