@@ -549,6 +549,19 @@ def progress_bar() -> Any:
     from lightning.pytorch.callbacks import RichProgressBar
 
     class StepsProgressBar(RichProgressBar):
+        @property
+        def total_train_batches(self) -> Any:
+            # Lightning's total in a run bounded by steps is the steps left (max_steps - global_step),
+            # while the bar counts the epoch's batches from where the epoch stands: a run resumed
+            # within its epoch read "30/19" (the loader resumes there, data/text.py). Batches, not
+            # steps: a step takes accumulate_grad_batches of them.
+            trainer = self.trainer
+            if not (trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0):
+                return super().total_train_batches
+            left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            return min(trainer.num_training_batches, done + left)
+
         def _get_train_description(self, current_epoch: int) -> str:
             text = super()._get_train_description(current_epoch)
             max_epochs = self.trainer.max_epochs

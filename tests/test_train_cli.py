@@ -185,6 +185,17 @@ def test_progress_bar_title_of_a_run_bounded_by_steps():
     trainer.fit_loop.max_epochs = -1  # what fit() sets for a run bounded by steps (_parse_loop_limits)
     bar._trainer = trainer
     assert bar._get_train_description(0).strip() == "Epoch 0"
+    # the total: the epoch's batches up to max_steps, counted as the bar counts them (from where the epoch
+    # stands, after a resume within it; a step takes accumulate_grad_batches batches). It read "30/19".
+    trainer.fit_loop.epoch_loop.batch_progress.current.processed = 10
+    trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total.completed = 10  # global_step
+    trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = 10
+    trainer.fit_loop.max_batches = 257  # num_training_batches
+    assert trainer.global_step == 10 and bar.total_train_batches == 20
+    trainer.accumulate_grad_batches = 4
+    assert bar.total_train_batches == 10 + 10 * 4
+    trainer.fit_loop.max_batches = 30
+    assert bar.total_train_batches == 30
     bar._trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False)
     assert bar._get_train_description(1).strip() == "Epoch 1/2"
 
