@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from _scripts import run_json, run_script_failing
+from _spawn import spawn
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +163,36 @@ def test_the_parts_checked_when_called_directly_leave_out_blocks_and_compiled_mo
     root.net.head.compile()
     found = {name for name, m in root.named_modules() if any(m is e for e in _entry_points(root))}
     assert found == {"net.model", "net.model.encoder", "net.model.decoder"}, found
+
+
+def _generate_alone_after_fit_body(rank, world_size):
+    import torch
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_ampzero.zero.unused import generate_in_step
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                                                 n_positions=32))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # stage 3, as after fit: every unit sharded
+    generate_in_step(model)
+    if rank == 1:
+        return None  # the script ends on this rank (its process exits: the sockets close)
+    try:
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False)
+    except RuntimeError as error:
+        return str(error)
+    return "generated"
+
+
+def test_generate_on_rank_zero_alone_after_fit_at_stage_3_says_so_not_a_crash():
+    # if trainer.is_global_zero: model.generate(...) after fit: gloo's "Connection closed by peer ... typically
+    # caused by a remote worker crashing" sent the user looking for a crash (a new-user trial)
+    said, _ = spawn(_generate_alone_after_fit_body, world_size=2, timeout=120)
+    assert said.startswith("GPT2LMHeadModel.generate() on rank 0: the model is sharded (ZeRO stage 3)"), said
+    assert "the other ranks left (nothing crashed" in said and "Call generate() on every rank" in said

@@ -75,6 +75,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ampzero.process import collective_device
+from lightning_ampzero.watchdog import is_peer_lost
 from lightning_ampzero.zero.groups import (
     FSDP2_REDUCES_UNUSED,
     give_unused_zero_gradients,
@@ -192,6 +193,18 @@ def layerdrop_message(dropping: list[str], stage: int) -> str:
             "train at stage 0 (DDP, find_unused_parameters=True) to drop layers.")
 
 
+# A rank-0-only generate() after trainer.fit() at stage 3 (the usual end of a script): the other ranks
+# finish the script and leave, and rank 0's next all-gather fails on gloo's "Connection closed by
+# peer ... typically caused by a remote worker crashing", which sends the user to look for a crash
+# (a new-user trial; the watchdog, which names generate() during fit, has stopped with fit).
+GENERATE_ALONE = (
+    "{name}.generate() on rank {rank}: the model is sharded (ZeRO stage 3), so each forward gathers its units"
+    " from every rank, and the other ranks left (nothing crashed: they were not calling generate()). Call"
+    " generate() on every rank (drop `if trainer.is_global_zero:`; every rank gets the same tokens), or export"
+    " the weights (lightning_ampzero.hf.save_pretrained on every rank) and generate from the plain model."
+)
+
+
 def generate_in_step(model: nn.Module) -> None:
     """Each transformers model under ``model`` chooses ``synced_gpus`` per ``generate()`` call: synced while
     one of its units is sharded ([Note: generate() on some ranks])."""
@@ -211,8 +224,17 @@ def generate_in_step(model: nn.Module) -> None:
 
         @functools.wraps(original)
         def generate(*args: Any, _original: Any = original, _groups: list = groups, **kwargs: Any) -> Any:
+            sharded = dist.is_initialized() and dist.get_world_size() > 1 and not all(g.is_unsharded for g in _groups)
             if kwargs.get("synced_gpus") is None and dist.is_initialized():
-                kwargs["synced_gpus"] = dist.get_world_size() > 1 and not all(g.is_unsharded for g in _groups)
-            return _original(*args, **kwargs)
+                kwargs["synced_gpus"] = sharded
+            try:
+                return _original(*args, **kwargs)
+            except RuntimeError as error:
+                if not (sharded and is_peer_lost(error)):
+                    raise
+                from lightning_ampzero.zero.apply import own_class_name
+
+                raise RuntimeError(GENERATE_ALONE.format(name=own_class_name(_original.__self__),
+                                                         rank=dist.get_rank())) from error
 
         module.generate = generate
