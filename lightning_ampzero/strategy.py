@@ -88,6 +88,7 @@ from lightning_ampzero.hf import load_pending_pretrained, refuse_own_save_pretra
 from lightning_ampzero.sigterm import AsyncSigtermBroadcast, sigterm_notifier
 from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
 from lightning_ampzero.zero.averaged import (averaged_targets, copy_in_setup_when_sharded, pop_averaged_states,
+                                             refuse_whole_model_callbacks,
                                             restore_averaged_states, shard_averaged_copies)
 from lightning_ampzero.zero.apply import (after_manual_step, apply_zero, fsdp_modules, no_sync, overlap_comm_note,
                                          prepare_manual_backward, register_root_method, gathers_in_other_dtypes,
@@ -467,6 +468,8 @@ class AmpZeroStrategy(ParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
         # Before the callbacks' setup hooks: [Note: SWA's setup on a model already sharded] in zero/averaged.py
         copy_in_setup_when_sharded(self._callbacks(), self._reshard)
+        if self.stage > 0:
+            refuse_whole_model_callbacks(self._callbacks(), self.stage)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

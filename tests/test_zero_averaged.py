@@ -51,3 +51,33 @@ def test_swa_validate_and_a_second_fit_after_fit_run_as_under_ddp(averaged, run)
     ref, ours = averaged["ddp/then"], averaged[run]
     assert ours == ref
     assert ref["head.weight"] != averaged["ddp"]["head.weight"]  # the second fit trained on
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_callbacks_that_read_whole_parameters_are_refused_at_setup_with_what_works(stage):
+    # EMAWeightAveraging stopped at the first validation on "got mixed torch.Tensor and DTensor", ModelPruning
+    # at the end of the epoch on "would remove or reshape sharded dimension 0" (a new-user trial)
+    import re
+    import warnings
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    for callback, instead in ((EMAWeightAveraging(), "use StochasticWeightAveraging"),
+                              (ModelPruning("l1_unstructured", amount=0.5), "prune at stage 0 (DDP)")):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=f"ampzero_stage_{stage}", max_steps=2,
+                             logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, callbacks=[callback])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(ValueError, match=rf"{type(callback).__name__} reads the model's parameters as whole"
+                                                 rf" tensors, and at ZeRO stage {stage}.*{re.escape(instead)}"):
+                trainer.fit(BoringModel())
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="ampzero_stage_0", max_steps=2, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         callbacks=[EMAWeightAveraging()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(BoringModel())  # stage 0 is DDP: whole parameters, the callback works
+    assert trainer.global_step == 2

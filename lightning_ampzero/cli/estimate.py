@@ -524,8 +524,11 @@ def render_plan(result: Plan, size: ModelSize, args: argparse.Namespace, console
     kind, _, device = choice.offload.partition("=")
     where = {"optimizer": f', offload_optimizer="{device}"',
              "params+optimizer": f', offload_optimizer="{device}", offload_param="{device}"'}.get(kind, "")
+    # the strategy as code to paste: the checkpointing too (it was prose beside the call, a new-user trial)
+    if choice.checkpointing != "none":
+        where += f', activation_checkpointing="{choice.checkpointing}"'
     console.print(f"Chosen: {choice.name}. Strategy: AmpZeroStrategy(stage={choice.stage}{where})"
-                  + ("" if choice.checkpointing == "none" else ", activation checkpointing of every block") + ".")
+                  + ("" if choice.checkpointing == "none" else " (activation checkpointing of every block)") + ".")
     if choice.nvme:
         line = (f"NVMe per optimizer step: each rank reads {format_bytes(choice.nvme_read)} and writes"
                 f" {format_bytes(choice.nvme_written)} of swap files; the node's {args.gpus_per_node} rank(s)"

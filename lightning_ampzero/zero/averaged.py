@@ -171,3 +171,29 @@ def copy_in_setup_when_sharded(callbacks: Iterable[Any], reshard: Callable[[], N
 
         setup._ampzero_refresh = True  # type: ignore[attr-defined]
         cb.setup = setup
+
+
+# Lightning callbacks that read the model's parameters as whole tensors, with no sharded path here yet
+# (a new-user trial of Lightning 2.6's callbacks at stages 1-3): EMAWeightAveraging (any
+# WeightAveraging: it deep-copies the module into a torch AveragedModel whose parameters stay whole,
+# then copies between the two) stopped at the first validation on torch's "got mixed torch.Tensor and
+# DTensor"; ModelPruning flattens the parameters (parameters_to_vector) and stopped at the end of the
+# epoch on "would remove or reshape sharded dimension 0". Refused at setup instead, with the ways that work.
+_WHOLE_MODEL_CALLBACKS = {
+    "WeightAveraging": "use StochasticWeightAveraging (averaged shard by shard at stages 1-3), or stage 0 (DDP)",
+    "ModelPruning": "prune at stage 0 (DDP), or prune the consolidated weights after training",
+}
+
+
+def refuse_whole_model_callbacks(callbacks: Iterable[Any], stage: int) -> None:
+    """Raise for a callback of :data:`_WHOLE_MODEL_CALLBACKS` at stages 1-3, naming what to use instead."""
+    from lightning.pytorch import callbacks as lightning_callbacks
+
+    for name, instead in _WHOLE_MODEL_CALLBACKS.items():
+        cls = getattr(lightning_callbacks, name, None)
+        found = [type(cb).__name__ for cb in callbacks if cls is not None and isinstance(cb, cls)]
+        if found:
+            raise ValueError(
+                f"{found[0]} reads the model's parameters as whole tensors, and at ZeRO stage {stage} each rank holds"
+                f" only its shard of them (it would stop inside torch on a DTensor error): {instead}."
+            )
