@@ -220,10 +220,19 @@ def _save_whole(model: nn.Module, out: Path, is_zero: bool, dtype: Optional[str 
     size = sum(t.nbytes for t in done.values())
     rank_zero_warn(f"{why} The model is exported whole instead: rank 0 holds all of it ({format_bytes(size)}) for"
                    f" {own_class_name(model)}.save_pretrained(state_dict=...), which converts it.")
+    # the class's own, not the instance's: the strategy replaced that one ([Note: save_pretrained of a sharded model])
+    return _own_save_pretrained(functools.partial(type(model).save_pretrained, model), out, max_shard_size,
+                                state_dict=full, is_main_process=True)
+
+
+def _own_save_pretrained(save: Callable[..., Any], out: Path, max_shard_size: Any, **kwargs: Any) -> list[Path]:
+    """``save(out, ...)``, a transformers model's own ``save_pretrained``, after an earlier export's weight files
+    in ``out`` are removed; returns the weight files written."""
     out.mkdir(parents=True, exist_ok=True)
     _clear_old_weights(out)
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    type(model).save_pretrained(model, str(out), state_dict=full, is_main_process=True, **kwargs)
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    save(str(out), **kwargs)
     return sorted(p for p in out.iterdir() if p.is_file() and _OLD_SHARD.fullmatch(p.name))
 
 
@@ -396,19 +405,14 @@ def export_checkpoint(
         used.add(found)
         ckpt_key, meta = keyed[found]
         if tuple(meta.size) != tuple(t.shape):
-            raise ValueError(f"{found}: the checkpoint holds {tuple(meta.size)}, the model built from {hf_config}"
-                             f" has {tuple(t.shape)}: the config is not the trained model's.")
+            raise _shape_mismatch(found, tuple(meta.size), tuple(t.shape), hf_config)
         entries.append(Entry(key, tuple(meta.size), _out_dtype(dtype, meta.properties.dtype)))
         source[key] = (ckpt_key, meta)
     # names of the model's own tensors under the prefix that the model does not have
     plan_names = {prefix + n for _, names, _ in plan for n in names}
     extra = [k for k in keyed if k.startswith(prefix) and k not in used and k not in plan_names]
     if missing or extra:
-        raise ValueError(
-            f"{ckpt} does not match {cls.__name__} built from {hf_config} under prefix {prefix!r}:"
-            f" {len(missing)} model tensors missing (e.g. {missing[:5]}), {len(extra)} checkpoint tensors"
-            f" not in the model (e.g. {extra[:5]}). Check --hf-config, --hf-class and --strip-prefix."
-        )
+        raise _names_mismatch(ckpt, cls.__name__, hf_config, prefix, missing, extra)
     paths = _write(entries, checkpoint_fetcher(ckpt, source), out, max_shard_size, True)
     gen_file = Path(hf_config) / "generation_config.json"
     _write_config(config, out, cls.__name__, entries)
@@ -435,26 +439,31 @@ def _export_whole(ckpt: Path, out: Path, model: nn.Module, hf_config: str | Path
     fetch = checkpoint_fetcher(ckpt, source)
     full = {}
     for n, (_, meta) in source.items():
+        if tuple(meta.size) != shapes[n]:  # before reading it
+            raise _shape_mismatch(prefix + n, tuple(meta.size), shapes[n], hf_config)
         full[n] = fetch(Entry(n, tuple(meta.size), _out_dtype(dtype, meta.properties.dtype)))
-        if tuple(meta.size) != shapes[n]:
-            raise ValueError(f"{prefix + n}: the checkpoint holds {tuple(meta.size)}, the model built from"
-                             f" {hf_config} has another shape: the config is not the trained model's.")
     model.load_state_dict(full, strict=False, assign=True)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # a tied copy the checkpoint holds once
     missing = [n for n, t in model.state_dict().items() if t.is_meta]
     extra = [k for k in keyed if k.startswith(prefix) and k[len(prefix):] not in shapes]
     if missing or extra:
-        raise ValueError(
-            f"{ckpt} does not match {type(model).__name__} built from {hf_config} under prefix {prefix!r}:"
-            f" {len(missing)} model tensors missing (e.g. {missing[:5]}), {len(extra)} checkpoint tensors"
-            f" not in the model (e.g. {extra[:5]}). Check --hf-config, --hf-class and --strip-prefix."
-        )
+        raise _names_mismatch(ckpt, type(model).__name__, hf_config, prefix, missing, extra)
     warnings.warn(f"{why} The model is exported whole instead: it is loaded into host memory"
                   f" ({format_bytes(sum(t.nbytes for t in full.values()))}) for {type(model).__name__}.save_pretrained,"
                   " which converts it.", stacklevel=3)
-    out.mkdir(parents=True, exist_ok=True)
-    _clear_old_weights(out)
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(str(out), **kwargs)
-    return sorted(p for p in out.iterdir() if p.is_file() and _OLD_SHARD.fullmatch(p.name))
+    return _own_save_pretrained(model.save_pretrained, out, max_shard_size)
+
+
+def _shape_mismatch(key: str, saved: tuple[int, ...], built: tuple[int, ...], hf_config: str | Path) -> ValueError:
+    return ValueError(f"{key}: the checkpoint holds {saved}, the model built from {hf_config} has {built}: the config"
+                      " is not the trained model's.")
+
+
+def _names_mismatch(ckpt: Path, cls_name: str, hf_config: str | Path, prefix: str, missing: Sequence[str],
+                    extra: Sequence[str]) -> ValueError:
+    return ValueError(
+        f"{ckpt} does not match {cls_name} built from {hf_config} under prefix {prefix!r}:"
+        f" {len(missing)} model tensors missing (e.g. {list(missing[:5])}), {len(extra)} checkpoint tensors"
+        f" not in the model (e.g. {list(extra[:5])}). Check --hf-config, --hf-class and --strip-prefix."
+    )
