@@ -64,6 +64,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_ampzero._schema import suggest
+from lightning_ampzero.checkpoint.at_exception import ExceptionSaveGate
 from lightning_ampzero.checkpoint.sharded import load_sharded, save_sharded
 from lightning_ampzero.activation import apply_activation_checkpointing
 from lightning_ampzero.config import (
@@ -374,6 +375,7 @@ class AmpZeroStrategy(ParallelStrategy):
         self.compiled: list[str] = []  # [compile] names of the blocks apply_compile compiled (setup)
         self._sigterm: Any = None  # (epoch loop, AsyncSigtermBroadcast) while fitting
         self._watchdog: Any = None  # (trainer, WatchdogCallback or None) while fitting
+        self._at_exception = ExceptionSaveGate()  # [Note: a checkpoint at an exception] in checkpoint/at_exception.py
         self.param_swapper: Any = None  # [offload] ParamSwapper when stage-3 shards live in a swap file
         self._nvme_dir: Optional[Path] = None  # [offload] where this fit's swap folders are
         self._unused: Optional[UnusedTracker] = None  # stages 1-3: [Note: parameters unused on some ranks]
@@ -842,6 +844,11 @@ class AmpZeroStrategy(ParallelStrategy):
     def barrier(self, name: Optional[str] = None) -> None:
         if not _distributed_is_initialized():
             return
+        if name == "Trainer.save_checkpoint":  # the end of a save: one at an exception may have been skipped
+            skip = self._at_exception.skip(self)
+            self._at_exception.end_save()
+            if skip:
+                return
         if torch.distributed.get_backend() == "nccl":
             torch.distributed.barrier(device_ids=[self.root_device.index])
         else:
@@ -891,6 +898,8 @@ class AmpZeroStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if self._at_exception.skip(self):  # a save at an exception that not every rank is in: nothing to collect
+            return {}
         return get_model_state_dict(self._state_module(), options=StateDictOptions(cpu_offload=True))
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -901,6 +910,8 @@ class AmpZeroStrategy(ParallelStrategy):
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if self._at_exception.skip(self):
+            return {}
         return get_optimizer_state_dict(self._state_module(), optimizer, options=StateDictOptions(cpu_offload=True))
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -913,6 +924,8 @@ class AmpZeroStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("AmpZeroStrategy.save_checkpoint does not take storage_options: it writes a sharded directory.")
+        if self._at_exception.skip(self):
+            return  # said on this rank: [Note: a checkpoint at an exception] in checkpoint/at_exception.py
         path = Path(self.broadcast(filepath))
         state = {"state_dict": checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):

@@ -483,7 +483,9 @@ class WatchdogHooks:
         self._mark(trainer, "between_steps")
 
     def on_save_checkpoint(self, trainer: Any, *args: Any) -> None:
-        self._mark(trainer, "checkpoint")
+        # A save at an exception (OnExceptionCheckpoint) leaves the mark where the error was.
+        if getattr(trainer.state.status, "value", None) != "interrupted":
+            self._mark(trainer, "checkpoint")
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """Name the rank a transport error is about, or tell the peers of this rank's own error."""
