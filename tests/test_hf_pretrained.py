@@ -530,3 +530,46 @@ def test_moe_export_converts_on_save_live_and_from_checkpoint(tmp_path):
         loaded = dict(back.named_parameters())
         assert all(torch.equal(loaded[n], p) for n, p in reference.named_parameters()), out
         assert (_logits(back) - _logits(reference)).abs().max().item() == 0.0
+
+
+def test_exporting_a_peft_checkpoint_names_peft_and_the_route_that_works(tmp_path):
+    """A new-user trial: a LoRA fit's checkpoint given to --hf-config met only "Check --hf-config, --hf-class
+    and --strip-prefix". It now says it holds a peft model, and the route it gives merges to the trained weights."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    def lora():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1)
+        return get_peft_model(transformers.LlamaForCausalLM(config),
+                              LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+
+    trained = lora()
+    with torch.no_grad():  # adapters that change the merged weights (peft starts lora_B at zero)
+        for name, p in trained.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    trained.get_base_model().config.save_pretrained(tmp_path / "config")
+    state = {"model." + k: v.contiguous() for k, v in trained.state_dict().items()}
+    torch.save(state, tmp_path / "state.pt")
+    ckpt = tmp_path / "lora.ckpt"
+    script = ("import torch, torch.distributed.checkpoint as dcp\n"
+              f"dcp.save({{'state_dict': torch.load({str(tmp_path / 'state.pt')!r})}}, checkpoint_id={str(ckpt)!r},"
+              " no_dist=True)\n"
+              f"torch.save({{}}, {str(ckpt / 'meta.pt')!r})\n")
+    subprocess.run([sys.executable, "-c", script], env=script_env(), check=True, timeout=300, capture_output=True)
+    proc = _cli(str(ckpt), str(tmp_path / "out"), "--hf-config", str(tmp_path / "config"), "--hf-class",
+                "LlamaForCausalLM")
+    assert proc.returncode == 2 and "holds a peft model (LoRA adapters beside the base layers" in proc.stderr, proc.stderr
+    assert "--strip-prefix <the attribute holding the peft model, e.g. model.> --dtype fp32" in proc.stderr
+    # the route the message gives
+    proc = _cli(str(ckpt), str(tmp_path / "peft.safetensors"), "--strip-prefix", "model.", "--dtype", "fp32")
+    assert proc.returncode == 0, proc.stderr
+    rebuilt = lora()
+    rebuilt.load_state_dict(load_file(tmp_path / "peft.safetensors"), strict=True)
+    merged, expected = rebuilt.merge_and_unload(), trained.merge_and_unload()
+    assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), expected.state_dict().values()))
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, lora().get_base_model()
+                           .model.layers[0].self_attn.q_proj.weight)  # the adapters were merged in

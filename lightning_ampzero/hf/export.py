@@ -460,8 +460,23 @@ def _shape_mismatch(key: str, saved: tuple[int, ...], built: tuple[int, ...], hf
                       " is not the trained model's.")
 
 
+#: Names peft gives a wrapped layer's tensors (LoRA and its variants): a checkpoint of a peft model.
+_PEFT_NAMES = re.compile(r"\.(base_layer|lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)(\.|$)")
+
+
 def _names_mismatch(ckpt: Path, cls_name: str, hf_config: str | Path, prefix: str, missing: Sequence[str],
                     extra: Sequence[str]) -> ValueError:
+    if any(_PEFT_NAMES.search(k) for k in extra):
+        # A new-user trial: a LoRA fit's checkpoint met only the generic "Check --hf-config" advice.
+        return ValueError(
+            f"{ckpt} holds a peft model (LoRA adapters beside the base layers, e.g."
+            f" {[k for k in extra if _PEFT_NAMES.search(k)][:2]}), not a plain {cls_name}: --hf-config exports"
+            " transformers models, and merging adapters into the base weights needs peft's config (rank, alpha)."
+            " Consolidate it as a state dict (`ampzero-consolidate CKPT peft.safetensors --strip-prefix <the"
+            " attribute holding the peft model, e.g. model.> --dtype fp32`), load that into the peft model built as"
+            " in training (get_peft_model(base, LoraConfig(...)).load_state_dict(...)), then"
+            " merge_and_unload().save_pretrained(OUT). From the live run, lightning_ampzero.hf.save_pretrained(peft"
+            " model, OUT) writes the adapters as peft does.")
     return ValueError(
         f"{ckpt} does not match {cls_name} built from {hf_config} under prefix {prefix!r}:"
         f" {len(missing)} model tensors missing (e.g. {list(missing[:5])}), {len(extra)} checkpoint tensors"
