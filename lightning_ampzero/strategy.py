@@ -88,9 +88,9 @@ from lightning_ampzero.torch_compile import apply_compile
 from lightning_ampzero.hf import load_pending_pretrained, refuse_own_save_pretrained
 from lightning_ampzero.sigterm import AsyncSigtermBroadcast, sigterm_notifier
 from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
-from lightning_ampzero.zero.averaged import (averaged_targets, copy_in_setup_when_sharded, pop_averaged_states,
-                                             refuse_whole_model_callbacks,
-                                            restore_averaged_states, shard_averaged_copies)
+from lightning_ampzero.zero.averaged import (averaged_targets, pop_averaged_states, prepare_averaging_callbacks,
+                                             refuse_whole_model_callbacks, restore_averaged_states,
+                                             shard_averaged_copies)
 from lightning_ampzero.zero.apply import (after_manual_step, apply_zero, fsdp_modules, no_sync, overlap_comm_note,
                                          prepare_manual_backward, register_root_method, gathers_in_other_dtypes,
                                          reshard_stale, run_outside_steps_in)
@@ -468,8 +468,9 @@ class AmpZeroStrategy(ParallelStrategy):
         self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-        # Before the callbacks' setup hooks: [Note: SWA's setup on a model already sharded] in zero/averaged.py
-        copy_in_setup_when_sharded(self._callbacks(), self._reshard)
+        # Before the callbacks' setup hooks: [Note: SWA's setup on a model already sharded] and [Note:
+        # EMAWeightAveraging at stages 1-3] in zero/averaged.py
+        prepare_averaging_callbacks(self._callbacks(), self._reshard)
         if self.stage > 0:
             refuse_whole_model_callbacks(self._callbacks(), self.stage)
 
@@ -902,6 +903,12 @@ class AmpZeroStrategy(ParallelStrategy):
             return {}
         return get_model_state_dict(self._state_module(), options=StateDictOptions(cpu_offload=True))
 
+    def _model_state(self) -> dict[str, Any]:
+        """The model's state dict as it lives (sharded DTensors at stages 1-3), for loading into."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self._state_module())
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # loaded in load_checkpoint(), into the sharded model
 
@@ -951,8 +958,8 @@ class AmpZeroStrategy(ParallelStrategy):
         try:
             checkpoint, loaded = load_sharded(path, self._state_module(), optimizers,
                                               strict=self.lightning_module.strict_loading, weights_only=weights_only,
-                                              extra=averaged_targets(callbacks))
-            restore_averaged_states(callbacks, checkpoint, loaded)
+                                              extra=averaged_targets(callbacks, self._model_state))
+            restore_averaged_states(callbacks, checkpoint, loaded, self._model_state)
             return checkpoint
         finally:
             # [offload] the load wrote swapped parameters through the file's memory map: forget copies read

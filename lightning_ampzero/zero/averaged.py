@@ -35,6 +35,21 @@ the callback's setup refresh that copy in place (parameters and buffers, shard b
 communication) instead of copying the module, after the strategy has put evaluation's gathered
 units back to their shards; a module not yet sharded is copied as before.
 
+[Note: EMAWeightAveraging at stages 1-3]
+Lightning 2.6's ``WeightAveraging`` (``EMAWeightAveraging``) keeps a torch ``AveragedModel``: a
+deep copy of the LightningModule made in its setup hook (before sharding, as SWA's), updated
+after each step element-wise (``torch._foreach_lerp_`` for the EMA), swapped with the model's
+values around each validation epoch and copied into the model at the end of the fit. It stopped at
+the first validation on "got mixed torch.Tensor and DTensor" (a new-user trial). So the copy's
+module is laid out as the model too (:func:`shard_like`), which makes every one of those
+operations act on each rank's shard. Two more things: the swap after a validation epoch meets the
+units evaluation left gathered (the strategy reshards them only at ``on_validation_end``, after the
+callbacks' epoch-end hooks), so the callback's ``on_validation_epoch_end`` reshards first
+(:func:`prepare_averaging_callbacks`); and its checkpoint puts the averaged weights in
+``state_dict`` and the model's in ``current_model_state``, which a sharded checkpoint writes from
+rank 0 only, so that one goes into the DCP state too and is loaded back beside the model
+(:func:`pop_averaged_states`, :func:`averaged_targets`, :func:`restore_averaged_states`).
+
 The copy is matched to the model by parameter name. A model whose layers ``configure_model``
 builds has none of them when SWA copies it (under ddp as well, where the two ``parameters()``
 lists are then zipped out of step without an error); that is refused with what to do.
@@ -62,6 +77,15 @@ def _averaging(callbacks: Iterable[Any]) -> list[Any]:
 
     return [cb for cb in callbacks
             if isinstance(cb, StochasticWeightAveraging) and getattr(cb, "_average_model", None) is not None]
+
+
+def _weight_averaging(callbacks: Iterable[Any], *, holding: bool = True) -> list[Any]:
+    """The ``WeightAveraging`` callbacks (Lightning 2.6+), those holding an ``AveragedModel`` when ``holding``."""
+    from lightning.pytorch import callbacks as lightning_callbacks
+
+    cls = getattr(lightning_callbacks, "WeightAveraging", None)
+    return [cb for cb in callbacks if cls is not None and isinstance(cb, cls)
+            and (not holding or getattr(cb, "_average_model", None) is not None)]
 
 
 def shard_like(copy: nn.Module, model: nn.Module) -> int:
@@ -104,8 +128,10 @@ def shard_like(copy: nn.Module, model: nn.Module) -> int:
 
 
 def shard_averaged_copies(callbacks: Iterable[Any], model: nn.Module) -> int:
-    """:func:`shard_like` the averaged copy of every ``StochasticWeightAveraging`` in ``callbacks``."""
-    return sum(shard_like(cb._average_model, model) for cb in _averaging(callbacks))
+    """:func:`shard_like` the averaged copy of every ``StochasticWeightAveraging`` and ``WeightAveraging`` in ``callbacks``."""
+    callbacks = list(callbacks)
+    return (sum(shard_like(cb._average_model, model) for cb in _averaging(callbacks))
+            + sum(shard_like(cb._average_model.module, model) for cb in _weight_averaging(callbacks)))
 
 
 def pop_averaged_states(callbacks: Iterable[Any], checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -115,26 +141,50 @@ def pop_averaged_states(callbacks: Iterable[Any], checkpoint: dict[str, Any]) ->
     """
     moved: dict[str, Any] = {}
     saved = checkpoint.get("callbacks", {})
+    callbacks = list(callbacks)
     for i, cb in enumerate(_averaging(callbacks)):
         entry = saved.get(cb.state_key)
         if isinstance(entry, dict) and entry.get("average_model_state") is not None:
             moved[f"averaged_{i}"] = entry["average_model_state"]
             entry["average_model_state"] = None
+    # WeightAveraging: the averaged weights are "state_dict" already; the model's go beside them
+    # ([Note: EMAWeightAveraging at stages 1-3]).
+    if _weight_averaging(callbacks) and "current_model_state" in checkpoint:
+        moved[CURRENT] = checkpoint.pop("current_model_state")
     return moved
 
 
-def averaged_targets(callbacks: Iterable[Any]) -> dict[str, Any]:
-    """``{"averaged_<i>": state}`` of the live averaged copies: where DCP loads the saved ones, in place."""
-    return {f"averaged_{i}": cb._average_model.state_dict() for i, cb in enumerate(_averaging(callbacks))}
+#: Where a sharded checkpoint keeps the model's own weights when ``state_dict`` holds the averaged ones.
+CURRENT = "current_model_state"
 
 
-def restore_averaged_states(callbacks: Iterable[Any], checkpoint: dict[str, Any], loaded: dict[str, Any]) -> None:
-    """Put the states DCP loaded (``averaged_<i>``) back in ``checkpoint["callbacks"]`` for the callbacks to load."""
+def averaged_targets(callbacks: Iterable[Any], model_state: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Where DCP loads the saved averaged states: ``{"averaged_<i>": state}`` of the live SWA copies, in
+    place, and for a ``WeightAveraging`` a fresh copy of the model's state (``model_state()``, sharded
+    alike) for its ``current_model_state``."""
+    callbacks = list(callbacks)
+    targets = {f"averaged_{i}": cb._average_model.state_dict() for i, cb in enumerate(_averaging(callbacks))}
+    if _weight_averaging(callbacks):
+        targets[CURRENT] = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v
+                            for k, v in model_state().items()}
+    return targets
+
+
+def restore_averaged_states(callbacks: Iterable[Any], checkpoint: dict[str, Any], loaded: dict[str, Any],
+                            model_state: Callable[[], dict[str, Any]]) -> None:
+    """Put the states DCP loaded back where the callbacks read them: ``averaged_<i>`` in
+    ``checkpoint["callbacks"]``; for a ``WeightAveraging``, ``current_model_state``, and in
+    ``state_dict`` the averaged weights DCP loaded into the model (``model_state()``), which the
+    callback copies into its ``AveragedModel`` before loading ``current_model_state`` into the model."""
     saved = checkpoint.get("callbacks", {})
+    callbacks = list(callbacks)
     for i, cb in enumerate(_averaging(callbacks)):
         entry = saved.get(cb.state_key)
         if isinstance(entry, dict) and f"averaged_{i}" in loaded and entry.get("average_model_state") is None:
             entry["average_model_state"] = loaded[f"averaged_{i}"]
+    if CURRENT in loaded:
+        checkpoint[CURRENT] = loaded[CURRENT]
+        checkpoint["state_dict"] = model_state()
 
 
 def refresh_like(copy: nn.Module, model: nn.Module) -> None:
@@ -149,11 +199,33 @@ def refresh_like(copy: nn.Module, model: nn.Module) -> None:
                 buffer.copy_(buffers[name])
 
 
+def prepare_averaging_callbacks(callbacks: Iterable[Any], reshard: Callable[[], None]) -> None:
+    """Before the callbacks' setup: SWA's setup refreshes its copy of a sharded module
+    (:func:`copy_in_setup_when_sharded`), and a ``WeightAveraging`` swaps back after validation
+    with the units resharded ([Note: EMAWeightAveraging at stages 1-3]).
+
+    ``reshard`` puts evaluation's gathered units back to their shards (the strategy's, [Note:
+    units left gathered by evaluation]).
+    """
+    callbacks = list(callbacks)
+    copy_in_setup_when_sharded(callbacks, reshard)
+    for cb in _weight_averaging(callbacks, holding=False):
+        if getattr(cb.on_validation_epoch_end, "_ampzero_reshard", False):
+            continue
+        swap_back = cb.on_validation_epoch_end
+
+        def on_validation_epoch_end(trainer: Any, pl_module: nn.Module, swap_back: Any = swap_back) -> None:
+            reshard()
+            swap_back(trainer, pl_module)
+
+        on_validation_epoch_end._ampzero_reshard = True  # type: ignore[attr-defined]
+        cb.on_validation_epoch_end = on_validation_epoch_end
+
+
 def copy_in_setup_when_sharded(callbacks: Iterable[Any], reshard: Callable[[], None]) -> None:
     """Make each ``StochasticWeightAveraging``'s setup refresh its averaged copy once the module is sharded.
 
-    [Note: SWA's setup on a model already sharded]; ``reshard`` puts evaluation's gathered units
-    back to their shards (the strategy's, [Note: units left gathered by evaluation]).
+    [Note: SWA's setup on a model already sharded].
     """
     from lightning.pytorch.callbacks import StochasticWeightAveraging
     from torch.distributed.fsdp import FSDPModule
@@ -174,13 +246,10 @@ def copy_in_setup_when_sharded(callbacks: Iterable[Any], reshard: Callable[[], N
 
 
 # Lightning callbacks that read the model's parameters as whole tensors, with no sharded path here yet
-# (a new-user trial of Lightning 2.6's callbacks at stages 1-3): EMAWeightAveraging (any
-# WeightAveraging: it deep-copies the module into a torch AveragedModel whose parameters stay whole,
-# then copies between the two) stopped at the first validation on torch's "got mixed torch.Tensor and
-# DTensor"; ModelPruning flattens the parameters (parameters_to_vector) and stopped at the end of the
-# epoch on "would remove or reshape sharded dimension 0". Refused at setup instead, with the ways that work.
+# (a new-user trial of Lightning 2.6's callbacks at stages 1-3): ModelPruning flattens the parameters
+# (parameters_to_vector) and stopped at the end of the epoch on "would remove or reshape sharded
+# dimension 0". Refused at setup instead, with the ways that work.
 _WHOLE_MODEL_CALLBACKS = {
-    "WeightAveraging": "use StochasticWeightAveraging (averaged shard by shard at stages 1-3), or stage 0 (DDP)",
     "ModelPruning": "prune at stage 0 (DDP), or prune the consolidated weights after training",
 }
 
