@@ -17,32 +17,7 @@ from lightning_ampzero.watchdog import Record
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _scripts import SCRIPTS, script_env  # noqa: E402
-
-
-class DictStore:
-    """The calls the agreement makes of a c10d store, over a dict shared by threads."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-        self.lock = threading.Lock()
-
-    def set(self, key: str, value: str) -> None:
-        with self.lock:
-            self.data[key] = value.encode()
-
-    def get(self, key: str) -> bytes:
-        with self.lock:
-            return self.data[key]
-
-    def check(self, keys: list[str]) -> bool:
-        with self.lock:
-            return all(k in self.data for k in keys)
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        with self.lock:  # c10d's semantics: a missing key counts as "" (set it), else keep what is there
-            if self.data.get(key, b"") == expected.encode():
-                self.data[key] = desired.encode()
-            return self.data[key]
+from _store import DictStore  # noqa: E402
 
 
 def _agreement(store, rank, world, reports, **kw):

@@ -8,27 +8,9 @@ import sys
 import threading
 import time
 
+from _store import DictStore
+
 from lightning_ampzero.watchdog import Record, Watchdog, diagnose
-
-
-class DictStore:
-    """The three calls the watchdog makes of a c10d store, over a dict shared by threads."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-        self.lock = threading.Lock()
-
-    def set(self, key: str, value: str) -> None:
-        with self.lock:
-            self.data[key] = value.encode()
-
-    def get(self, key: str) -> bytes:
-        with self.lock:
-            return self.data[key]
-
-    def check(self, keys: list[str]) -> bool:
-        with self.lock:
-            return all(k in self.data for k in keys)
 
 
 def test_a_stopped_rank_is_named_as_not_responding():

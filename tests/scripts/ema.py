@@ -61,19 +61,21 @@ def main() -> None:
     p.add_argument("--dir", required=True, help="checkpoints go here")
     args = p.parse_args()
     root = Path(args.dir)
-    out = {"ddp": _run("ddp"), "ddp/no_ema": _run("ddp", ema=False)}
-    for saved in (2, 3):  # ddp's resume from epoch 2: what the resumed runs must match
-        out[f"stage{saved}/saving"] = _run(AmpZeroStrategy(stage=saved), save_to=root / f"stage{saved}")
-    for stage in (1, 3):
-        out[f"stage{stage}"] = _run(AmpZeroStrategy(stage=stage))
-    out["ddp/saving"] = _run("ddp", save_to=root / "ddp")
-    out["resume/ddp->ddp"] = _run("ddp", resume=next((root / "ddp").glob("epoch=1-*.ckpt")))
-    for saved, stage in ((2, 2), (2, 3), (3, 1)):
-        ckpt = next((root / f"stage{saved}").glob("epoch=1-*.ckpt"))
-        out[f"resume/{saved}->{stage}"] = _run(AmpZeroStrategy(stage=stage), resume=ckpt)
+    # (name, ddp or a stage, keywords of _run); "resume" names the run whose checkpoint after epoch 2 is resumed
+    plan = [("ddp", "ddp", {}), ("ddp/no_ema", "ddp", {"ema": False}), ("ddp/saving", "ddp", {"save_to": "ddp"}),
+            ("stage2/saving", 2, {"save_to": "stage2"}), ("stage3/saving", 3, {"save_to": "stage3"}),
+            ("stage1", 1, {}), ("stage3", 3, {}), ("resume/ddp->ddp", "ddp", {"resume": "ddp"}),
+            ("resume/2->2", 2, {"resume": "stage2"}), ("resume/2->3", 3, {"resume": "stage2"}),
+            ("resume/3->1", 1, {"resume": "stage3"})]
+    results = {}
+    for name, stage, kw in plan:
+        if "save_to" in kw:
+            kw = {**kw, "save_to": root / kw["save_to"]}
+        if "resume" in kw:
+            kw = {**kw, "resume": next((root / kw["resume"]).glob("epoch=1-*.ckpt"))}
+        results[name] = _run("ddp" if stage == "ddp" else AmpZeroStrategy(stage=stage), **kw)
     if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(out))
-
+        Path(args.out).write_text(json.dumps(results))
 
 if __name__ == "__main__":
     run_and_exit(main)  # see [Note: exit without finalization] in lightning_ampzero/process.py
