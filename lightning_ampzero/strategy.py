@@ -378,6 +378,7 @@ class AmpZeroStrategy(ParallelStrategy):
         self._at_exception = ExceptionSaveGate()  # [Note: a checkpoint at an exception] in checkpoint/at_exception.py
         self.param_swapper: Any = None  # [offload] ParamSwapper when stage-3 shards live in a swap file
         self._nvme_dir: Optional[Path] = None  # [offload] where this fit's swap folders are
+        self._nvme_made: Optional[Path] = None  # [offload] the outermost folder made for them (removed if empty)
         self._unused: Optional[UnusedTracker] = None  # stages 1-3: [Note: parameters unused on some ranks]
 
     # ---- configuration -------------------------------------------------------------------
@@ -579,8 +580,9 @@ class AmpZeroStrategy(ParallelStrategy):
         # [pretrained] models built by lightning_ampzero.hf.from_pretrained stream each rank's rows
         # of their checkpoint into place, before Lightning restores a checkpoint of its own over them.
         load_pending_pretrained(self.model)
-        nvme_dir = self._nvme_dir = offload_setup.resolve_nvme_dir(self.config.offload, trainer.default_root_dir,
+        nvme_dir, self._nvme_made = offload_setup.resolve_nvme_dir(self.config.offload, trainer.default_root_dir,
                                                                    rank_zero_warn)
+        self._nvme_dir = nvme_dir
         if self.stage == 3:
             # [offload] offload_param='nvme': every shard into this rank's swap file, read back per all-gather.
             self.param_swapper = offload_setup.swap_parameters(self.model, self.config.offload, self.root_device,
@@ -884,7 +886,7 @@ class AmpZeroStrategy(ParallelStrategy):
         if self.param_swapper is not None:
             # [offload] the swap file's name goes; its data stays open for the model until the process ends.
             self.param_swapper.unlink()
-        offload_setup.remove_default_nvme_dir(self.config.offload, self._nvme_dir)
+        offload_setup.remove_default_nvme_dir(self.config.offload, self._nvme_dir, self._nvme_made)
         ac = self.activation_checkpointing
         if ac is not None and ac.config.profile and ac.profile:
             rank_zero_info("activation checkpointing profile (per call):\n" + ac.report())

@@ -289,12 +289,12 @@ def test_parameter_offload_policy(tmp_path):
     assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is False
     assert param_offload_policy(OffloadConfig(), torch.device("cuda", 0), said.append) is None
     # NVMe directory: nvme_path, or a directory under default_root_dir with a warning.
-    assert resolve_nvme_dir(OffloadConfig(), str(tmp_path), said.append) is None
-    path = resolve_nvme_dir(OffloadConfig(offload_optimizer="nvme"), str(tmp_path), said.append)
-    assert path == tmp_path / "ampzero_nvme" and path.is_dir() and "without offload.nvme_path" in said[-1]
+    assert resolve_nvme_dir(OffloadConfig(), str(tmp_path), said.append) == (None, None)
+    path, made = resolve_nvme_dir(OffloadConfig(offload_optimizer="nvme"), str(tmp_path), said.append)
+    assert path == made == tmp_path / "ampzero_nvme" and path.is_dir() and "without offload.nvme_path" in said[-1]
     assert "swapping optimizer state to" in said[-1]
     both = OffloadConfig(offload_optimizer="cpu", offload_param="nvme")
-    assert resolve_nvme_dir(both, str(tmp_path), said.append) == path and "swapping parameters to" in said[-1]
+    assert resolve_nvme_dir(both, str(tmp_path), said.append) == (path, None) and "swapping parameters to" in said[-1]
 
 
 def test_pinning_only_with_an_accelerator(tmp_path):
@@ -436,24 +436,27 @@ class _AdamBoring(BoringModel):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-@pytest.mark.parametrize("own_folder", [False, True])
-def test_nvme_folder_after_fit(tmp_path, own_folder):
+@pytest.mark.parametrize(("own_folder", "new_root"), [(False, False), (False, True), (True, False)])
+def test_nvme_folder_after_fit(tmp_path, own_folder, new_root):
     """A plain Trainer run of the NVMe preset leaves no empty ``ampzero_nvme/`` behind (a new-user trial
-    found one in the working directory), and a folder the user named stays, whatever it holds."""
+    found one in the working directory), nor the ``default_root_dir`` made for it (another trial found
+    that), and a folder the user named or that was there stays, whatever it holds."""
     import lightning.pytorch as pl
 
     from lightning_ampzero.strategy import AmpZeroStrategy
 
     mine = tmp_path / "mine"
     mine.mkdir()
+    root = tmp_path / "runs" / "exp1" if new_root else tmp_path
     strategy = (AmpZeroStrategy(stage=3, offload_optimizer="nvme", offload_param="nvme", nvme_path=str(mine))
                 if own_folder else "ampzero_stage_3_offload_nvme")
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, default_root_dir=tmp_path,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, default_root_dir=root,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(_AdamBoring())
     assert trainer.global_step == 2
-    assert not (tmp_path / "ampzero_nvme").exists()
+    assert not (root / "ampzero_nvme").exists() and not (tmp_path / "runs").exists()
+    assert tmp_path.is_dir()
     assert mine.is_dir() and list(mine.iterdir()) == []

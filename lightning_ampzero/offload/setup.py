@@ -46,13 +46,17 @@ def param_init_device(config: OffloadConfig, device: torch.device) -> torch.devi
 TMPFS = Path("/dev/shm")
 
 
-def resolve_nvme_dir(config: OffloadConfig, default_root_dir: str, warn: Callable[[str], None]) -> Optional[Path]:
-    """The directory for NVMe swap files: ``nvme_path``, or ``<default_root_dir>/ampzero_nvme`` (with a warning)."""
+def resolve_nvme_dir(config: OffloadConfig, default_root_dir: str,
+                     warn: Callable[[str], None]) -> tuple[Optional[Path], Optional[Path]]:
+    """The directory for NVMe swap files: ``nvme_path``, or ``<default_root_dir>/ampzero_nvme`` (with a
+    warning); and the outermost directory this made for it (None when it made none), for
+    :func:`remove_default_nvme_dir`."""
     if "nvme" not in (config.offload_optimizer, config.offload_param, config.offload_grad):
-        return None
+        return None, None
     if config.nvme_path is not None:
-        return Path(config.nvme_path)
-    path = Path(default_root_dir) / "ampzero_nvme"
+        return Path(config.nvme_path), None
+    path = Path(default_root_dir).absolute() / "ampzero_nvme"
+    made = next((d for d in reversed([path, *path.parents]) if not d.exists()), None)
     path.mkdir(parents=True, exist_ok=True)
     what = " and ".join(w for w, d in (("optimizer state", config.offload_optimizer),
                                        ("parameters", config.offload_param),
@@ -61,22 +65,27 @@ def resolve_nvme_dir(config: OffloadConfig, default_root_dir: str, warn: Callabl
         f"offload 'nvme' without offload.nvme_path: swapping {what} to {path} (under the Trainer's"
         " default_root_dir). Set nvme_path to a directory on a fast local NVMe drive."
     )
-    return path
+    return path, made
 
 
-def remove_default_nvme_dir(config: OffloadConfig, path: Optional[Path]) -> None:
-    """End of fit: remove the ``ampzero_nvme`` folder :func:`resolve_nvme_dir` made when it is empty.
+def remove_default_nvme_dir(config: OffloadConfig, path: Optional[Path], made: Optional[Path]) -> None:
+    """End of fit: remove the ``ampzero_nvme`` folder :func:`resolve_nvme_dir` made, and the folders it
+    made above it (``made``: a ``default_root_dir`` that did not exist), where they are empty.
 
     Each rank's swap files live in a folder of its own under it, removed at teardown; the default
-    folder itself was left behind, empty, in the user's working directory (a new-user trial). Every
-    rank tries, and the last one to finish finds it empty; a user's ``nvme_path`` is never touched.
+    folder itself was left behind, empty, in the user's working directory, and then the
+    ``default_root_dir`` made for it (new-user trials). Every rank tries, and the last one to finish
+    finds them empty; a user's ``nvme_path``, and folders that were there before, are never touched.
     """
     if path is None or config.nvme_path is not None:
         return
-    try:
-        path.rmdir()
-    except OSError:  # another rank's swap folder is still there, or it is already gone
-        pass
+    for folder in [path, *path.parents]:
+        try:
+            folder.rmdir()
+        except OSError:  # another rank's swap folder is still there, or it is already gone
+            return
+        if made is None or folder == made:
+            return
 
 
 def swap_parameters(model: torch.nn.Module, config: OffloadConfig, device: torch.device, *,
