@@ -169,7 +169,8 @@ def _ddp_find_unused(rank, world_size):
 
 def test_stage3_notes_a_model_built_outside_the_sharded_context():
     # Accepted and sharded after the fact (issue 12); the note says what it cost.
-    assert "configure_model" in built_outside_note(nn.Linear(4, 4))
+    assert "configure_model" in built_outside_note(nn.Linear(4, 4), min_bytes=0)
+    assert built_outside_note(nn.Linear(4, 4)) is None  # 80 bytes built whole: nothing worth saying
     with torch.device("meta"):
         meta = nn.Linear(4, 4)
     assert built_outside_note(meta) is None  # built on meta: nothing to say

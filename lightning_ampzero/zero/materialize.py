@@ -25,8 +25,14 @@ from torch import nn
 from lightning_ampzero.memory import fsdp_param_groups
 
 
-def built_outside_note(module: nn.Module) -> Optional[str]:
-    """A note for a stage-3 model whose parameters exist in full (built outside ``configure_model()``), else None.
+#: Below this, a model built whole on every rank costs nothing worth a note (it was printed for every
+#: small model a new user tried, a 66-parameter BoringModel included).
+NOTE_BUILT_OUTSIDE_BYTES = 2**30
+
+
+def built_outside_note(module: nn.Module, min_bytes: int = NOTE_BUILT_OUTSIDE_BYTES) -> Optional[str]:
+    """A note for a stage-3 model whose parameters exist in full (built outside ``configure_model()``) and
+    hold at least ``min_bytes``, else None.
 
     Such a model is sharded after the fact, as stages 0-2 do; it only cost each rank the whole
     model while it was built.
@@ -35,7 +41,7 @@ def built_outside_note(module: nn.Module) -> Optional[str]:
     # and so are lazy modules' parameters, in configure_model() too (ZeroInit marks them: zero/init.py)
     built = [(n, p) for n, p in module.named_parameters()
              if not p.is_meta and p.dim() > 0 and not getattr(p, "_ampzero_lazy", False)]
-    if not built:
+    if not built or sum(p.numel() * p.element_size() for _, p in built) < min_bytes:
         return None
     numel = sum(p.numel() for _, p in built)
     return (
