@@ -88,6 +88,7 @@ from lightning_ampzero.torch_compile import apply_compile
 from lightning_ampzero.hf import load_pending_pretrained, refuse_own_save_pretrained
 from lightning_ampzero.sigterm import AsyncSigtermBroadcast, sigterm_notifier
 from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
+from lightning_ampzero.zero.buffers import sync_batchnorm_layers  # noqa: F401 (tests import it from here)
 from lightning_ampzero.zero.averaged import (averaged_targets, pop_averaged_states, prepare_averaging_callbacks,
                                              refuse_whole_model_callbacks, restore_averaged_states,
                                              shard_averaged_copies)
@@ -136,25 +137,6 @@ SHARD_IN_LOSS = (
     " torch.distributed.tensor import DTensor; its gradient then equals DDP's), or compute it inside the module's"
     " forward; for an L2 penalty on the weights, the optimizer's weight_decay does it without reading them."
 )
-
-
-SYNC_BATCHNORM_ON_CPU = (
-    "Trainer(sync_batchnorm=True) converts the BatchNorm layers to torch's SyncBatchNorm, which runs on GPUs only"
-    " (Lightning's ddp refuses it on CPU too). On CPU, drop sync_batchnorm=True: each rank then normalizes with its"
-    " own batch's statistics and the running statistics follow rank 0's, as under DDP."
-)
-
-
-def sync_batchnorm_layers(layer_sync: Any, module: torch.nn.Module, device_type: str) -> torch.nn.Module:
-    """``Trainer(sync_batchnorm=True)`` (Lightning's ``layer_sync``): the BatchNorm layers of ``module`` become
-    SyncBatchNorm, as Lightning's ddp and fsdp strategies make them, before any wrapping or sharding; refused on
-    CPU, where torch's SyncBatchNorm cannot run. Before, the flag was ignored at every stage, silently (a new-user
-    trial: each rank normalized with its own statistics, 3.6e-2 from one process on the whole batch)."""
-    if layer_sync is None:
-        return module
-    if device_type == "cpu":
-        raise ValueError(SYNC_BATCHNORM_ON_CPU)
-    return layer_sync.apply(module)
 
 
 def _flat_keywords() -> dict[str, type]:
@@ -520,7 +502,7 @@ class AmpZeroStrategy(ParallelStrategy):
         from torch.distributed.fsdp import FSDPModule
 
         if not isinstance(module, FSDPModule) and trainer.state.fn == TrainerFn.FITTING:
-            module = sync_batchnorm_layers(self._layer_sync, module, self.root_device.type)
+            module = sync_batchnorm_layers(self._layer_sync, module, self.root_device.type, self.world_size)
         if isinstance(module, FSDPModule):
             # Partitioned by an earlier fit/validate/test with this strategy: keep the shards, and make
             # them the module's parameters again ([Note: units left gathered by evaluation]).

@@ -223,6 +223,12 @@ def test_sync_batchnorm_converts_the_batchnorm_layers_before_wrapping_on_a_gpu()
     assert model[1].weight is weight  # the same parameters: what the optimizer and the shards hold
     plain = nn.Sequential(nn.BatchNorm2d(4))
     assert sync_batchnorm_layers(None, plain, "cpu") is plain and type(plain[0]) is nn.BatchNorm2d
+    # a SyncBatchNorm the model holds itself: on CPU with several processes torch stops in the first forward
+    own = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4))
+    with pytest.raises(ValueError, match=r"holds torch's SyncBatchNorm \('1'\).*Use nn.BatchNorm1d/2d/3d on CPU"):
+        sync_batchnorm_layers(None, own, "cpu", world_size=2)
+    assert sync_batchnorm_layers(None, own, "cpu", world_size=1) is own  # one process: it does not synchronize
+    assert sync_batchnorm_layers(None, own, "cuda", world_size=2) is own
 
 
 def _weight_sum(module) -> float:

@@ -28,11 +28,14 @@ gradients to reduce. Measured on the 2-core CPU machine, 2 ranks, gloo
 (tests/scripts/units_buffer_cost.py): 4.1-4.9 ms per broadcast against 86-95 ms for one
 all-reduce of the gradients (about 5 %, mostly the 318 small copies; DDP sends the same bytes in
 one broadcast per dtype bucket).
+
+``Trainer(sync_batchnorm=True)`` and a SyncBatchNorm the model holds (:func:`sync_batchnorm_layers`)
+are the other way to keep BatchNorm statistics alike: synchronized per forward, on GPUs only.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -114,3 +117,35 @@ def install_buffer_broadcast(module: nn.Module, group: dist.ProcessGroup) -> Opt
 
 def buffer_broadcast_of(module: nn.Module) -> Optional[BufferBroadcast]:
     return module.__dict__.get("_ampzero_buffer_broadcast")
+
+
+SYNC_BATCHNORM_ON_CPU = (
+    "Trainer(sync_batchnorm=True) converts the BatchNorm layers to torch's SyncBatchNorm, which runs on GPUs only"
+    " (Lightning's ddp refuses it on CPU too). On CPU, drop sync_batchnorm=True: each rank then normalizes with its"
+    " own batch's statistics and the running statistics follow rank 0's, as under DDP."
+)
+
+
+SYNC_BATCHNORM_LAYER_ON_CPU = (
+    "The model holds torch's SyncBatchNorm ({name!r}), which synchronizes its statistics on GPUs only: on CPU with"
+    " several processes it stops in the first training forward. Use nn.BatchNorm1d/2d/3d on CPU (each rank then"
+    " normalizes with its own batch's statistics, as under DDP), or train on GPUs."
+)
+
+
+def sync_batchnorm_layers(layer_sync: Any, module: torch.nn.Module, device_type: str,
+                          world_size: int = 1) -> torch.nn.Module:
+    """``Trainer(sync_batchnorm=True)`` (Lightning's ``layer_sync``): the BatchNorm layers of ``module`` become
+    SyncBatchNorm, as Lightning's ddp and fsdp strategies make them, before any wrapping or sharding; refused on
+    CPU, where torch's SyncBatchNorm cannot run. Before, the flag was ignored at every stage, silently (a new-user
+    trial: each rank normalized with its own statistics, 3.6e-2 from one process on the whole batch). A
+    SyncBatchNorm the model holds itself is refused on CPU with several processes too: it stopped in the first
+    forward on torch's "expected input tensor to be on GPU" (another trial)."""
+    own = next((n for n, m in module.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)), None)
+    if own is not None and device_type == "cpu" and world_size > 1:
+        raise ValueError(SYNC_BATCHNORM_LAYER_ON_CPU.format(name=own))
+    if layer_sync is None:
+        return module
+    if device_type == "cpu":
+        raise ValueError(SYNC_BATCHNORM_ON_CPU)
+    return layer_sync.apply(module)
