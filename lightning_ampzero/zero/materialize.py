@@ -30,9 +30,9 @@ from lightning_ampzero.memory import fsdp_param_groups
 NOTE_BUILT_OUTSIDE_BYTES = 2**30
 
 
-def built_outside_note(module: nn.Module, min_bytes: int = NOTE_BUILT_OUTSIDE_BYTES) -> Optional[str]:
+def built_outside_note(module: nn.Module, min_bytes: Optional[int] = None) -> Optional[str]:
     """A note for a stage-3 model whose parameters exist in full (built outside ``configure_model()``) and
-    hold at least ``min_bytes``, else None.
+    hold at least ``min_bytes`` (default :data:`NOTE_BUILT_OUTSIDE_BYTES`, read at each call), else None.
 
     Such a model is sharded after the fact, as stages 0-2 do; it only cost each rank the whole
     model while it was built.
@@ -41,7 +41,8 @@ def built_outside_note(module: nn.Module, min_bytes: int = NOTE_BUILT_OUTSIDE_BY
     # and so are lazy modules' parameters, in configure_model() too (ZeroInit marks them: zero/init.py)
     built = [(n, p) for n, p in module.named_parameters()
              if not p.is_meta and p.dim() > 0 and not getattr(p, "_ampzero_lazy", False)]
-    if not built or sum(p.numel() * p.element_size() for _, p in built) < min_bytes:
+    least = NOTE_BUILT_OUTSIDE_BYTES if min_bytes is None else min_bytes
+    if not built or sum(p.numel() * p.element_size() for _, p in built) < least:
         return None
     numel = sum(p.numel() for _, p in built)
     return (
