@@ -253,6 +253,12 @@ def _print_report(message: str) -> None:
     os.write(2, (message + "\n").encode())  # one write: ranks sharing a terminal or log do not interleave
 
 
+def trainer_interrupted(trainer: Any) -> bool:
+    """Whether the trainer is ending on an exception: TrainerStatus.INTERRUPTED (compared by value,
+    so lightning.pytorch's and pytorch_lightning's enums both count) is set before on_exception runs."""
+    return getattr(getattr(getattr(trainer, "state", None), "status", None), "value", None) == "interrupted"
+
+
 def _end_process() -> None:
     os._exit(HANG_EXIT_CODE)  # the main thread is blocked inside a collective: nothing else can end it
 
@@ -484,7 +490,7 @@ class WatchdogHooks:
 
     def on_save_checkpoint(self, trainer: Any, *args: Any) -> None:
         # A save at an exception (OnExceptionCheckpoint) leaves the mark where the error was.
-        if getattr(trainer.state.status, "value", None) != "interrupted":
+        if not trainer_interrupted(trainer):
             self._mark(trainer, "checkpoint")
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:

@@ -26,10 +26,10 @@ before the error (``ModelCheckpoint(every_n_train_steps=...)`` keeps a recent on
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from typing import Any, Callable, Optional
+
+from lightning_ampzero.watchdog import _print_report, trainer_interrupted
 
 #: Longest wait for the other ranks when their hang-detector records cannot tell (the detector
 #: is off). Ranks that all raised come within a second or two of each other.
@@ -52,7 +52,7 @@ class SaveAtException:
                  grace_s: float = GRACE_S, poll_s: float = 0.2, report: Optional[Callable[[str], None]] = None) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.records, self.grace_s, self.poll_s = records, grace_s, poll_s
-        self.report = report or _print
+        self.report = report or _print_report
         self._count = 0  # saves at the exception so far on this rank; every rank counts the same ones
 
     def agree(self) -> bool:
@@ -129,12 +129,6 @@ class SaveAtException:
         return False
 
 
-def _print(message: str) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.write(2, (message + "\n").encode())  # one write: ranks sharing a terminal do not interleave
-
-
 class ExceptionSaveGate:
     """The strategy's side: one agreement per save at an exception, kept until the save's barrier.
 
@@ -149,9 +143,7 @@ class ExceptionSaveGate:
 
     def skip(self, strategy: Any) -> bool:
         trainer = getattr(strategy.lightning_module, "_trainer", None)
-        # TrainerStatus.INTERRUPTED (by value: lightning.pytorch's or pytorch_lightning's enum) is set
-        # before the on_exception hooks run.
-        if strategy.world_size < 2 or trainer is None or getattr(trainer.state.status, "value", None) != "interrupted":
+        if strategy.world_size < 2 or trainer is None or not trainer_interrupted(trainer):
             return False
         if self._go is None:
             if self._agreement is None:
