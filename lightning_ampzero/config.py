@@ -176,7 +176,8 @@ def stage0_bucket_mb(reduce_bucket_size: float) -> float:
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 COMM_DTYPES = ("fp32", "bf16", "fp16")
 AT_MIN_SCALE = ("raise", "skip", "warn")
-_DEFAULT_SAFE_MODULES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
+#: ``lower_precision_safe_modules=None``'s classes (DeepSpeed's torch_autocast default).
+DEFAULT_SAFE_MODULES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 
 
 #: The largest ``initial_scale_power`` whose scale (2**p) is a finite float32.
@@ -259,6 +260,12 @@ class PrecisionConfig(FromDict, section="precision"):
         lower_precision_safe_modules: "-mixed": exact class names (``type(m).__name__``, no
             subclasses) whose gradients are reduced (and under stage 3 parameters all-gathered) in
             the low dtype; everything else communicates in fp32. Only valid with "-mixed".
+            ``None`` (the default) is Linear and Conv1d-3d, with their gradients reduced in the low
+            dtype where they cross a network (NCCL) and in fp32 on gloo, where the wire is the
+            host's memory and the casts to and from the low dtype cost as much as the halved bytes
+            save, or more ([Note: the safe modules' gradients on gloo] in precision/policy.py); stage 3
+            still gathers their weights in the low dtype there. A list (the default's four
+            included) reduces them in the low dtype on every backend; ``[]`` names none.
         communication_data_type: dtype of every gradient reduction; ``None`` = fp32 for "-mixed"
             (except the safe modules above), the compute dtype for "-true", fp32 for "32-true".
             "fp16" needs an fp16 precision (loss-scaled gradients).
@@ -267,7 +274,7 @@ class PrecisionConfig(FromDict, section="precision"):
     precision: Optional[str] = None
     loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
     check_grad_overflow: bool = False
-    lower_precision_safe_modules: tuple[str, ...] = _DEFAULT_SAFE_MODULES
+    lower_precision_safe_modules: Optional[tuple[str, ...]] = None
     communication_data_type: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -282,8 +289,9 @@ class PrecisionConfig(FromDict, section="precision"):
                 "precision.lower_precision_safe_modules must be a list of class names, got the string"
                 f" {self.lower_precision_safe_modules!r}."
             )
-        object.__setattr__(self, "lower_precision_safe_modules", tuple(self.lower_precision_safe_modules))
-        for name in self.lower_precision_safe_modules:
+        if self.lower_precision_safe_modules is not None:
+            object.__setattr__(self, "lower_precision_safe_modules", tuple(self.lower_precision_safe_modules))
+        for name in self.lower_precision_safe_modules or ():
             if not isinstance(name, str) or not name or "." in name:
                 raise ValueError(
                     f"precision.lower_precision_safe_modules must hold class names such as 'Linear' (no module"
@@ -313,7 +321,7 @@ class PrecisionConfig(FromDict, section="precision"):
                 "scaled in this precision, so reducing them in float16 under- and overflows. Use 'bf16' or 'fp32',"
                 " or an fp16 precision ('16-mixed', '16-true')."
             )
-        if not precision.endswith("-mixed") and self.lower_precision_safe_modules != _DEFAULT_SAFE_MODULES:
+        if not precision.endswith("-mixed") and self.lower_precision_safe_modules:
             raise ValueError(
                 f"precision.lower_precision_safe_modules={list(self.lower_precision_safe_modules)} only applies to"
                 f" autocast ('16-mixed', 'bf16-mixed'), not to precision={precision!r}: under '-true' every module"

@@ -233,14 +233,34 @@ def blocked_in(thread_id: int) -> str:
             caller = frame.f_back
             while caller is not None and caller.f_code.co_filename.endswith(_WRAPPER_FILES):
                 caller = caller.f_back
-            where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}" if caller is not None else "?"
+            where = f"{_short_path(caller.f_code.co_filename)}:{caller.f_lineno}" if caller is not None else "?"
             found = f"{code.co_name} (called from {where})"
         frame = frame.f_back
-    found = found or ("the gradient reduce-scatter ring's sends and receives (zero/comm.py)" if ring else "")
+    found = found or ("the gradient reduce-scatter ring's sends and receives (lightning_ampzero/zero/comm.py)"
+                      if ring else "")
     return f"{found}{_IN_GENERATE}" if found and generating else found
 
 
 _RING_FILE = os.path.join("lightning_ampzero", "zero", "comm.py")
+#: The folder that holds the lightning_ampzero package (a clone, or site-packages).
+_PACKAGES_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _short_path(filename: str) -> str:
+    """A frame's file named so that a reader can find it: from its package down
+    (``lightning/fabric/utilities/distributed.py``, not ``distributed.py``: several packages have one),
+    from the working directory for the user's own scripts, else the base name."""
+    for installed in ("site-packages", "dist-packages"):
+        _, found, tail = filename.rpartition(os.sep + installed + os.sep)
+        if found:
+            return tail
+    if filename.startswith(_PACKAGES_ROOT + os.sep):
+        return os.path.relpath(filename, _PACKAGES_ROOT)
+    try:
+        relative = os.path.relpath(filename)
+    except ValueError:  # another drive
+        return os.path.basename(filename)
+    return os.path.basename(filename) if relative.startswith(os.pardir) else relative
 
 
 #: Marks a collective called under transformers' generate() ([Note: generate() on some ranks]).

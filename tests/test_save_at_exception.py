@@ -49,6 +49,7 @@ def test_a_rank_blocked_in_a_collective_is_not_waited_for_and_a_later_comer_skip
     # decided from the records (blocked for BLOCKED_S), long before the grace time
     assert 1.9 < took < 10, took
     assert len(reports) == 1 and "rank(s) 1 did not come to it (rank 1 is blocked in all_reduce" in reports[0]
+    assert "all_reduce (called from x.py:1), in its step 3 (backward))" in reports[0]  # where the peer is
     assert reports[0].startswith("ampzero (rank 0): the checkpoint asked for at the exception")
     # rank 1's collective fails when rank 0 leaves; it comes to its own save and reads the decision
     late = _agreement(store, 1, 2, reports, records=lambda: records, grace_s=60)

@@ -77,6 +77,22 @@ def test_blocked_in_reads_the_collective_off_a_threads_stack():
     assert blocked_in(threading.get_ident()) == ""  # this thread is in no collective
 
 
+def test_the_caller_of_a_collective_is_named_from_its_package_down(tmp_path, monkeypatch):
+    # "blocked in barrier (called from distributed.py:213)" did not say which package's
+    # distributed.py (a trial): Lightning's, torch's and ampzero's all have files of that name.
+    import os
+
+    from lightning_ampzero import watchdog
+
+    site = os.path.join(os.sep, "venv", "lib", "python3.11", "site-packages")
+    assert watchdog._short_path(os.path.join(site, "lightning", "fabric", "utilities", "distributed.py")) \
+        == os.path.join("lightning", "fabric", "utilities", "distributed.py")
+    assert watchdog._short_path(watchdog.__file__) == os.path.join("lightning_ampzero", "watchdog.py")
+    monkeypatch.chdir(tmp_path)
+    assert watchdog._short_path(str(tmp_path / "scripts" / "train.py")) == os.path.join("scripts", "train.py")
+    assert watchdog._short_path(os.path.join(os.sep, "elsewhere", "train.py")) == "train.py"
+
+
 def test_blocked_in_names_a_wait_in_the_reduce_scatter_ring():
     # The ring (zero/comm.py) waits on isend/irecv works: no c10d function is on the stack. A
     # hang there said "in no collective" (a trial: experts as units of their own, one skipped).

@@ -1,5 +1,5 @@
-"""bf16-mixed on FSDP2: the ``lower_precision_safe_modules`` of a unit have no group of their own on
-gloo: their unit's group sends their gradients in bf16 ([Note: one group, two wire dtypes] in
+"""bf16-mixed on FSDP2: the ``lower_precision_safe_modules`` (listed: the default ``None`` sends their
+gradients in fp32 on gloo, tested at the end) of a unit have no group of their own on gloo: their unit's group sends their gradients in bf16 ([Note: one group, two wire dtypes] in
 zero/comm.py) and, at stage 3, gathers their parameters in bf16 ([Note: safe modules gathered in
 the low dtype inside their unit's group]).
 
@@ -36,11 +36,22 @@ def _gpt():
     return GPT(GPTConfig(n_layer=N_LAYER, n_embd=32, n_head=2, block_size=8))
 
 
-def _policies(model, stage):
-    from lightning_ampzero.config import PrecisionConfig
-    from lightning_ampzero.precision.policy import dtype_plan, fsdp_policies
+#: The safe modules named: their gradients go in bf16 on gloo too ([Note: the safe modules' gradients
+#: on gloo] in precision/policy.py), which is what most of this file tests.
+LISTED = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 
-    return fsdp_policies(dtype_plan("bf16-mixed", PrecisionConfig()), model, stage)
+
+def _plan(listed=True):
+    from lightning_ampzero.config import PrecisionConfig
+    from lightning_ampzero.precision.policy import dtype_plan
+
+    return dtype_plan("bf16-mixed", PrecisionConfig(lower_precision_safe_modules=LISTED if listed else None))
+
+
+def _policies(model, stage, listed=True):
+    from lightning_ampzero.precision.policy import fsdp_policies
+
+    return fsdp_policies(_plan(listed), model, stage)
 
 
 def _per_linear_layout(model, mesh, cfg, mp_policy, module_policies):
@@ -192,9 +203,9 @@ def _execution_order(model):
 def _body(rank, world_size, stage):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_ampzero.config import PrecisionConfig, ZeroConfig
+    from lightning_ampzero.config import ZeroConfig
     from lightning_ampzero.precision.ddp import register_reduce_dtypes
-    from lightning_ampzero.precision.policy import ddp_reduce_dtypes, dtype_plan
+    from lightning_ampzero.precision.policy import ddp_reduce_dtypes
     from lightning_ampzero.zero.apply import apply_zero
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -230,8 +241,21 @@ def _body(rank, world_size, stage):
 
     ref = _gpt()
     ddp = torch.nn.parallel.DistributedDataParallel(ref)
-    register_reduce_dtypes(ddp, ddp_reduce_dtypes(dtype_plan("bf16-mixed", PrecisionConfig()), ref))
+    register_reduce_dtypes(ddp, ddp_reduce_dtypes(_plan(), ref))
     out["ddp_losses"], _, _ = _train(ddp, rank)
+
+    # lower_precision_safe_modules=None (the default): on gloo every gradient goes in fp32
+    default = _gpt()
+    root, per_module = _policies(default, stage, listed=False)
+    apply_zero(default, mesh, cfg, root, module_policies=per_module)
+    out["default_groups"] = _groups(default)
+    out["default_losses"], out["default_calls"], out["default_bytes"] = _train(default, rank)
+    out["default_params"] = _full(default)
+    plain = _gpt()
+    assert ddp_reduce_dtypes(_plan(listed=False), plain, gloo=True) == {}  # stage 0: no comm hook on gloo
+    plain_ddp = torch.nn.parallel.DistributedDataParallel(plain)
+    out["plain_ddp_losses"], _, _ = _train(plain_ddp, rank)
+    out["plain_ddp_params"] = _full(plain)
     return out
 
 
@@ -308,6 +332,27 @@ def test_same_numerics_as_one_unit_per_linear_and_as_ddp(run):
             assert torch.equal(p, r["per_linear_params"][name]), name
         rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], r["ddp_losses"]))
         assert rel < 1e-5, rel
+
+
+@pytest.mark.slow  # the run fixture: 3 spawns of 2 ranks, about 40 s in all
+def test_default_safe_modules_on_gloo_reduce_in_fp32_bit_for_bit_as_ddp(run):
+    # [Note: the safe modules' gradients on gloo] in precision/policy.py: with the default None the
+    # Linears' gradients go in fp32 with the rest of their unit's (no bf16 in any reduce-scatter), so
+    # the run is DDP's (fp32 all-reduce) bit for bit; stage 3 still gathers the Linears in bf16
+    # (the same bits reach autocast's matmuls), so its all-gathers move fewer bytes than in fp32.
+    stage, results = run
+    for r in results:
+        assert r["default_losses"] == r["plain_ddp_losses"]
+        for name, p in r["default_params"].items():
+            assert torch.equal(p, r["plain_ddp_params"][name]), name
+        assert r["default_losses"] != r["ddp_losses"]  # the listed Linears' bf16 wire rounds: a different run
+        reduced = {dtype for op, dtype in r["default_calls"] if op == "reduce_scatter_base"}
+        assert reduced == {"float32"}, reduced
+        assert all(wire == "None" for _, (_, wire) in r["default_groups"]), r["default_groups"]
+        linears, rest = r["numels"]
+        gathered = r["default_bytes"]["allgather_base"]
+        # the Linears' shards gathered in 2 bytes (stage 3: twice a step, forward and backward)
+        assert gathered == (2 if stage == 3 else 1) * ((linears * 2 + rest * 4) if stage == 3 else (linears + rest) * 4)
 
 
 @pytest.mark.slow  # the run fixture: 3 spawns of 2 ranks, about 40 s in all
@@ -406,7 +451,7 @@ def _stage2_layouts_body(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from lightning_ampzero.config import ZeroConfig
+    from lightning_ampzero.config import PrecisionConfig, ZeroConfig
     from lightning_ampzero.precision.plugin import AmpZeroPrecision
     from lightning_ampzero.zero.apply import apply_zero
 
@@ -423,7 +468,7 @@ def _stage2_layouts_body(rank, world_size):
         out[layout] = {"groups": _groups(model, root=True), "losses": losses, "params": _full(model),
                        "calls": Counter(calls)}
     # what the strategy asks for
-    _, chosen = AmpZeroPrecision("bf16-mixed").fsdp_policies(_gpt(), 2)
+    _, chosen = AmpZeroPrecision("bf16-mixed", PrecisionConfig(lower_precision_safe_modules=LISTED)).fsdp_policies(_gpt(), 2)
     out["plugin_comm_dtypes"] = sorted({str(getattr(p, "comm_dtype", None)) for p in chosen.values()})
     return out
 
@@ -448,7 +493,7 @@ def test_stage2_on_gloo_keeps_the_linears_in_the_model_group_with_the_bits_of_fs
 class _StubMesh:
     ndim = 1
 
-    def get_group(self):
+    def get_group(self, mesh_dim=None):
         return None
 
 
@@ -483,6 +528,33 @@ def test_the_mesh_decides_how_the_safe_modules_gradients_travel(monkeypatch, bac
         assert set(per_module.values()) == {MixedPrecisionPolicy(reduce_dtype=torch.bfloat16, cast_forward_inputs=True)}
 
 
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_by_default_the_safe_modules_gradients_go_in_fp32_on_gloo_only(monkeypatch, backend, stage):
+    # [Note: the safe modules' gradients on gloo]: lower_precision_safe_modules=None.
+    from lightning_ampzero.config import ZeroConfig
+    from lightning_ampzero.zero import apply
+
+    monkeypatch.setattr(apply.dist, "get_backend", lambda group=None: backend)
+    model = _gpt()
+    root, per_module = _policies(model, stage, listed=False)
+    listed_root, listed = _policies(_gpt(), stage)
+    assert {type(p) for p in per_module.values()} == {type(p) for p in listed.values()}  # the plugin asks the same
+    names = {id(m): n for n, m in model.named_modules()}
+    before = {names[id(m)] for m in per_module}
+    wire = apply._wire_dtypes(_StubMesh(), ZeroConfig(stage=stage), root, per_module)
+    expected = apply._wire_dtypes(_StubMesh(), ZeroConfig(stage=stage), listed_root, listed)
+    if backend == "nccl":  # as if listed
+        assert wire == {} == expected and {names[id(m)] for m in per_module} == before
+    elif stage == 3:  # gathered in bf16 inside their unit's group, reduced with its fp32 gradients
+        assert per_module == {} and {names[id(m)] for m in wire} == before and set(wire.values()) == {torch.float32}
+        offloaded = dict(_policies(model, 3, listed=False)[1])  # parameters on the host: all fp32
+        assert apply._wire_dtypes(_StubMesh(), ZeroConfig(stage=3), root, offloaded, offload=True) == {}
+        assert offloaded == {}
+    else:  # plain members of their unit's group
+        assert wire == {} and per_module == {}
+
+
 class _Branchy(torch.nn.Module):
     """Linears (safe) and LayerNorms (fp32) in one unit; one Linear used on odd steps only, one frozen."""
 
@@ -507,8 +579,8 @@ def _branchy_body(rank, world_size, stage):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_ampzero.config import PrecisionConfig, ZeroConfig
-    from lightning_ampzero.precision.policy import dtype_plan, fsdp_policies
+    from lightning_ampzero.config import ZeroConfig
+    from lightning_ampzero.precision.policy import fsdp_policies
     from lightning_ampzero.zero import apply
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -516,7 +588,7 @@ def _branchy_body(rank, world_size, stage):
     for layout in ("two_groups", "one_group"):
         torch.manual_seed(0)
         model = _Branchy()
-        root, per_module = fsdp_policies(dtype_plan("bf16-mixed", PrecisionConfig()), model, stage)
+        root, per_module = fsdp_policies(_plan(), model, stage)
         wire = apply._wire_dtypes if layout == "one_group" else (lambda *a, **k: {})
         with mock.patch.object(apply, "_wire_dtypes", wire):
             apply.apply_zero(model, mesh, ZeroConfig(stage=stage), root, module_policies=per_module)
@@ -556,8 +628,8 @@ def _reload_body(rank, world_size):
     """Parameters replaced by ``load_state_dict(assign=True)`` keep their wire dtype (decided by module)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_ampzero.config import PrecisionConfig, ZeroConfig
-    from lightning_ampzero.precision.policy import dtype_plan, fsdp_policies
+    from lightning_ampzero.config import ZeroConfig
+    from lightning_ampzero.precision.policy import fsdp_policies
     from lightning_ampzero.zero.apply import apply_zero
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -565,7 +637,7 @@ def _reload_body(rank, world_size):
     for reload in (False, True):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
-        root, per_module = fsdp_policies(dtype_plan("bf16-mixed", PrecisionConfig()), model, 2)
+        root, per_module = fsdp_policies(_plan(), model, 2)
         apply_zero(model, mesh, ZeroConfig(stage=2), root, module_policies=per_module)
         before = [id(p) for p in model.parameters()]
         if reload:

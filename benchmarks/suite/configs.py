@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 SYSTEMS = ("ampzero", "fsdp2", "deepspeed", "ddp", "lightning_ddp", "ampzero_nosigterm", "ampzero_fp32reduce",
-           "ampzero_reuse")
+           "ampzero_reuse", "ampzero_lowwire")
 #: Diagnostic variants of ampzero (systems.py): not targets, evidence for what a ratio is made of.
-DIAGNOSTIC = ("ampzero_nosigterm", "ampzero_fp32reduce", "ampzero_reuse")
+DIAGNOSTIC = ("ampzero_nosigterm", "ampzero_fp32reduce", "ampzero_reuse", "ampzero_lowwire")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 
 #: What each system runs for a precision (its own name for it).
@@ -154,6 +154,9 @@ def full_suite() -> Suite:
     # Stage 3 with DeepSpeed's default reuse distance (1e9), which DeepSpeed runs with here: both
     # then keep this model's units gathered from forward to backward (ampzero's default frees them).
     configs += [BenchConfig("ampzero_reuse", 3, p) for p in ("32-true", "bf16-mixed")]
+    # bf16-mixed with the safe modules listed: their gradients in bf16 on gloo too (DeepSpeed's
+    # torch_autocast wire), where the default sends them in fp32 on gloo.
+    configs += [BenchConfig("ampzero_lowwire", s, "bf16-mixed") for s in (0, 1, 2, 3)]
     # DeepSpeed's bf16 mode (bf16 parameters and gradients, fp32 master) beside ampzero's
     # equivalent, bf16-true (FSDP2 param_dtype=bf16, fp32 shards as master).
     configs += [BenchConfig("ampzero", 0, "bf16-true")]

@@ -269,7 +269,7 @@ def _ratios(by_name: dict) -> dict:
             pairs["vs_ddp"] = f"ddp/s0/{cfg.precision}"  # the bar of stages 1-3: DDP's step time
         if cfg.system in DIAGNOSTIC:
             pairs["vs_ampzero"] = f"ampzero/{suffix}"
-        if cfg.system in ("ampzero_fp32reduce", "ampzero_reuse"):
+        if cfg.system in ("ampzero_fp32reduce", "ampzero_reuse", "ampzero_lowwire"):
             del pairs["vs_fsdp2"]  # raw FSDP2 here has ampzero's default units and resharding, not these
         if cfg.precision == "bf16-mixed":
             pairs["vs_deepspeed_bf16_mode"] = f"deepspeed/s{cfg.stage}/bf16-true"
@@ -461,7 +461,8 @@ def plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
 
     cfgs = result["configs"]
     colors = {"ampzero": "#1f77b4", "fsdp2": "#2ca02c", "deepspeed": "#d62728", "ddp": "#7f7f7f",
-              "lightning_ddp": "#bcbd22", "ampzero_fp32reduce": "#9467bd", "ampzero_reuse": "#17becf"}
+              "lightning_ddp": "#bcbd22", "ampzero_fp32reduce": "#9467bd", "ampzero_reuse": "#17becf",
+              "ampzero_lowwire": "#ff7f0e"}
     precisions = [p for p in ("32-true", "bf16-mixed", "bf16-true") if any(e["precision"] == p for e in cfgs.values())]
     paths = []
 
@@ -492,7 +493,7 @@ def plots(result: dict, out_dir: Path, stem: str) -> list[Path]:
     series = [("ampzero", "vs_deepspeed", "ampzero / DeepSpeed (target 0.85)", "#d62728"),
               ("ampzero", "vs_fsdp2", "ampzero / raw FSDP2 (s0: bare DDP)", "#2ca02c"),
               ("ampzero", "vs_ddp", "ampzero / bare DDP (target 1.05, s3 1.3)", "#7f7f7f"),
-              ("ampzero_fp32reduce", "vs_deepspeed", "ampzero, Linear grads reduced in fp32 (diagnostic) / DeepSpeed",
+              ("ampzero_fp32reduce", "vs_deepspeed", "ampzero, no safe modules (diagnostic) / DeepSpeed",
                "#9467bd")]
     labels = [f"s{s} {p}" for p in precisions for s in range(4)]
     for k, (system, kind, text, color) in enumerate(series):

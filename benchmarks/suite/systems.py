@@ -7,10 +7,14 @@
   it with ``.item()`` before every batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``):
   a blocking collective per micro-batch that no bare loop has. This run measures its cost.
 * ``ampzero_fp32reduce`` (diagnostic, bf16-mixed): ``ampzero`` with
-  ``lower_precision_safe_modules=[]``: every gradient reduced in fp32, so the Linears need no
-  low-precision FSDP2 group of their own (stages 1-3; with them, one more group per unit) and
-  stage 0 needs no DDP comm hook; the units are those of 32-true. Measures what reducing Linear
-  gradients in bf16 costs in collectives.
+  ``lower_precision_safe_modules=[]``: no safe modules, so every gradient is reduced and (stage
+  3) every parameter gathered in fp32; the units are those of 32-true. Measures what stage 3's
+  bf16 gather of the Linears saves (on gloo the default already reduces every gradient in fp32).
+* ``ampzero_lowwire`` (diagnostic, bf16-mixed): ``ampzero`` with the safe modules listed
+  (``lower_precision_safe_modules=["Linear", "Conv1d", "Conv2d", "Conv3d"]``): their gradients
+  reduced in bf16 on gloo too, where the default (``None``) sends them in fp32 on gloo ([Note:
+  the safe modules' gradients on gloo] in lightning_ampzero/precision/policy.py). Measures
+  what the bf16 wire costs or saves here.
 * ``ampzero_reuse`` (diagnostic, stage 3): ``ampzero`` with ``max_reuse_distance=1e9``,
   DeepSpeed's default ``stage3_max_reuse_distance``, which the ``deepspeed`` runs use: both keep
   this model's units gathered from forward to backward instead of gathering them again (the same
@@ -25,8 +29,8 @@
 * ``deepspeed``: a bare loop over ``deepspeed.initialize(model, optimizer=AdamW(...),
   config=...)``: ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``, as DeepSpeed
   documents it. Precisions: fp32; bf16-mixed = DeepSpeed's ``torch_autocast`` (bf16 autocast,
-  fp32 parameters, Linear gradients reduced in bf16: the same numerics as ampzero's
-  bf16-mixed); bf16-true = DeepSpeed's ``bf16`` mode (bf16 parameters and gradients, fp32
+  fp32 parameters, Linear gradients reduced in bf16: the same numerics as ``ampzero_lowwire``;
+  ampzero's default reduces them in fp32 on gloo); bf16-true = DeepSpeed's ``bf16`` mode (bf16 parameters and gradients, fp32
   master in the optimizer).
 
 All use the same AdamW and parameter groups (``GPTModule.configure_optimizers``), the same
@@ -208,6 +212,8 @@ def run_lightning(cfg: BenchConfig, w: Workload, meter: Meter, rank: int) -> dic
             kw["offload_optimizer"] = cfg.offload
         if cfg.system == "ampzero_fp32reduce":
             kw["precision"] = {"lower_precision_safe_modules": []}
+        if cfg.system == "ampzero_lowwire":
+            kw["precision"] = {"lower_precision_safe_modules": ["Linear", "Conv1d", "Conv2d", "Conv3d"]}
         if cfg.system == "ampzero_reuse":
             kw["max_reuse_distance"] = 1e9  # DeepSpeed's default stage3_max_reuse_distance
         strategy: Any = AmpZeroStrategy(
@@ -317,6 +323,7 @@ RUNNERS: dict[str, Callable[[BenchConfig, Workload, Meter, int], dict]] = {
     "ampzero_nosigterm": run_lightning,
     "ampzero_fp32reduce": run_lightning,
     "ampzero_reuse": run_lightning,
+    "ampzero_lowwire": run_lightning,
     "fsdp2": run_fsdp2,
     "ddp": run_ddp,
     "deepspeed": run_deepspeed,

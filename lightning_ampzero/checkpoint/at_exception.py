@@ -101,7 +101,7 @@ class SaveAtException:
                 blocked_since.setdefault(r, now)
                 if now - blocked_since[r] < BLOCKED_S:
                     return None
-                reasons.append(f"rank {r} is blocked in {record.waiting}")
+                reasons.append(f"rank {r} is blocked in {record.waiting}, in its step {record.step} ({record.phase})")
             else:
                 blocked_since.pop(r, None)
                 return None  # still running: it may yet come (the same error, a step later)
@@ -113,8 +113,8 @@ class SaveAtException:
     def _skipped(self, decision: str) -> bool:
         _, decider, missing, why = (decision.split("|", 3) + ["", "", ""])[:4]
         if decider == str(self.rank):
-            who = (f"rank(s) {missing} did not come to it ({why}): they are inside a collective of the step"
-                   " that this rank left when it failed")
+            who = (f"rank(s) {missing} did not come to it ({why}): a collective there waits for this rank, which"
+                   " left the loop on its error")
         elif decider == "?":
             who = why
         else:

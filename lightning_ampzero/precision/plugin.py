@@ -182,7 +182,8 @@ class AmpZeroPrecision(Precision):
         """Stages 1-3: the policy of every unit, and the modules whose gradients reduce apart.
 
         "-mixed" with no ``communication_data_type``: the ``lower_precision_safe_modules``
-        modules get a low-dtype policy, reducing in the low dtype and, under stage 3,
+        modules get a low-dtype policy, reducing in the low dtype (on gloo only when they were
+        listed: [Note: the safe modules' gradients on gloo] in policy.py) and, under stage 3,
         all-gathering in it. How (a group of their own inside each unit, [Note: low-precision groups],
         or on gloo inside the unit's group) depends on the mesh and is decided by ``apply_zero``
         (``_wire_dtypes``).
@@ -197,7 +198,9 @@ class AmpZeroPrecision(Precision):
         if self.plan.low_params and self._ddp_cast is None:
             assert self.plan.low_dtype is not None
             self._ddp_cast = cast_parameters_in_forward(module, self.plan.low_dtype)
-        dtypes = ddp_reduce_dtypes(self.plan, module)
+        group = getattr(ddp, "process_group", None)
+        gloo = torch.distributed.is_initialized() and torch.distributed.get_backend(group) == "gloo"
+        dtypes = ddp_reduce_dtypes(self.plan, module, gloo=gloo)
         if dtypes:
             register_reduce_dtypes(ddp, dtypes)  # type: ignore[arg-type]
 

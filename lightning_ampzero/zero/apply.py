@@ -394,14 +394,24 @@ def _wire_dtypes(mesh: DeviceMesh, cfg: ZeroConfig, mp_policy: MixedPrecisionPol
     * stage 2 elsewhere: a group of their own reduce-scattered in the low dtype by FSDP2 itself
       (stage 2 accumulates the fp32 shards, so only the wire is low; on CUDA FSDP2's packing
       into a low-dtype buffer is cheap and halves the transient buffer);
-    * stage 3 elsewhere: a group of their own gathered and reduce-scattered in the low dtype by FSDP2.
+    * stage 3 elsewhere: a group of their own gathered and reduce-scattered in the low dtype by FSDP2;
+    * on any gloo mesh, a policy with ``low_on_gloo=False`` (``lower_precision_safe_modules=None``):
+      removed, the modules' gradients go in fp32 with their unit's; at stage 3 on a 1-D mesh, without
+      parameter offload, their parameters still gather in the low dtype inside that group (returned
+      with the wire dtype fp32). [Note: the safe modules' gradients on gloo] in precision/policy.py.
     """
     wire: dict[nn.Module, torch.dtype] = {}
     if not HAS_CUSTOM_REDUCE_SCATTER:
         return wire
-    gloo = mesh.ndim == 1 and dist.get_backend(mesh.get_group()) == "gloo"
+    on_gloo = dist.get_backend(mesh.get_group(0)) == "gloo"
+    gloo = mesh.ndim == 1 and on_gloo
     for module, policy in list(module_policies.items()):
         if not isinstance(policy, CommDtypePolicy) or policy.comm_dtype is None:
+            continue
+        if on_gloo and not policy.low_on_gloo:  # [Note: the safe modules' gradients on gloo] in precision/policy.py
+            if gloo and cfg.stage == 3 and not offload and policy.gather_dtype is not None:
+                wire[module] = torch.float32  # gathered low inside the unit's group, reduced with the rest
+            del module_policies[module]
             continue
         if cfg.stage == 3:
             together = gloo and not offload and policy.gather_dtype is not None and policy.reduce_dtype == policy.comm_dtype

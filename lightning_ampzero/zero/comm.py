@@ -79,6 +79,9 @@ class CommDtypePolicy(MixedPrecisionPolicy):
 
     comm_dtype: Optional[torch.dtype] = None
     gather_dtype: Optional[torch.dtype] = None
+    #: False: on gloo the gradients go in fp32 with the rest of the unit's (``gather_dtype`` still
+    #: holds at stage 3): [Note: the safe modules' gradients on gloo] in precision/policy.py.
+    low_on_gloo: bool = True
 
 
 class _PlainAlloc:
@@ -578,6 +581,8 @@ def install_mixed_wire(fsdp_module: Any, low: "dict[Any, torch.dtype]", *, overl
     if not mine:
         return False
     dtypes = {low[m] for m in mine}
+    if dtypes == {torch.float32}:  # sent with the rest of the group's gradients: its reduce-scatter stays
+        return True
     if len(dtypes) != 1:
         raise ValueError(f"one FSDP2 group can send its gradients in one low dtype, got {sorted(map(str, dtypes))}.")
     fsdp_module.set_custom_reduce_scatter(MixedWireReduceScatter(mine, dtypes.pop(), overlap=overlap))
