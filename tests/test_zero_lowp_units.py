@@ -1,6 +1,6 @@
-"""bf16-mixed on FSDP2: the ``lower_precision_safe_modules`` (listed: the default ``None`` sends their
-gradients in fp32 on gloo, tested at the end) of a unit have no group of their own on gloo: their unit's group sends their gradients in bf16 ([Note: one group, two wire dtypes] in
-zero/comm.py) and, at stage 3, gathers their parameters in bf16 ([Note: safe modules gathered in
+"""bf16-mixed on FSDP2: the ``lower_precision_safe_modules`` (listed; the default ``None`` sends their
+gradients in fp32 on gloo, tested too) of a unit have no group of their own on gloo: their unit's
+group sends their gradients in bf16 ([Note: one group, two wire dtypes] in zero/comm.py) and, at stage 3, gathers their parameters in bf16 ([Note: safe modules gathered in
 the low dtype inside their unit's group]).
 
 2 CPU ranks (gloo), the small GPT, stages 1-3, bare loop (autocast + AdamW) over ``apply_zero``:
@@ -553,6 +553,29 @@ def test_by_default_the_safe_modules_gradients_go_in_fp32_on_gloo_only(monkeypat
         assert offloaded == {}
     else:  # plain members of their unit's group
         assert wire == {} and per_module == {}
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+@pytest.mark.parametrize("listed", [False, True])
+def test_stage0_registers_the_bf16_comm_hook_off_gloo_or_when_listed(monkeypatch, backend, listed):
+    # [Note: the safe modules' gradients on gloo]: the plugin reads the DDP group's backend.
+    from lightning_ampzero.config import PrecisionConfig
+    from lightning_ampzero.precision.plugin import AmpZeroPrecision
+
+    hooks = []
+
+    class FakeDDP:
+        module = _gpt()
+        process_group = object()
+
+        def register_comm_hook(self, state, hook):
+            hooks.append(state)
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    plugin = AmpZeroPrecision("bf16-mixed", PrecisionConfig(lower_precision_safe_modules=LISTED if listed else None))
+    plugin.setup_ddp(FakeDDP())
+    assert len(hooks) == (1 if listed or backend == "nccl" else 0)
 
 
 class _Branchy(torch.nn.Module):
