@@ -261,7 +261,8 @@ def apply_zero(
         owners = {sub: dtype for m, dtype in wire.items() for sub in m.modules()}
         low = {sub: gather[m] for m in wire if m in gather for sub in m.modules()}
         for target in [g.modules[0] for g in groups] + [model]:
-            if install_mixed_wire(target, owners, overlap=overlap) and low:
+            install_mixed_wire(target, owners, overlap=overlap)
+            if low:  # stage 3: also with an fp32 wire ([Note: the safe modules' gradients on gloo])
                 gather_in_low_dtype(target, low)
         for module in (m for m in wire if m in gather):
             cast_inputs_to(module, gather[module])

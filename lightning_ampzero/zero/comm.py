@@ -571,18 +571,18 @@ def install_mixed_wire(fsdp_module: Any, low: "dict[Any, torch.dtype]", *, overl
     """Give an FSDP2 group owning parameters of ``low``'s modules (module -> wire dtype) a :class:`MixedWireReduceScatter`.
 
     ``low`` names every module that owns such parameters directly (a safe module's submodules too:
-    its old group of its own covered every parameter under it).
+    its old group of its own covered every parameter under it). A module whose wire dtype is fp32
+    sends with the rest of the group's gradients: the group keeps its reduce-scatter (False when
+    that is all the group owns).
     """
     group = fsdp_module._get_fsdp_state()._fsdp_param_group
     if group is None:
         return False
     owners = {id(fp._module_info.module) for fp in group.fsdp_params}
-    mine = [m for m in low if id(m) in owners]
+    mine = [m for m in low if id(m) in owners and low[m] != torch.float32]
     if not mine:
         return False
     dtypes = {low[m] for m in mine}
-    if dtypes == {torch.float32}:  # sent with the rest of the group's gradients: its reduce-scatter stays
-        return True
     if len(dtypes) != 1:
         raise ValueError(f"one FSDP2 group can send its gradients in one low dtype, got {sorted(map(str, dtypes))}.")
     fsdp_module.set_custom_reduce_scatter(MixedWireReduceScatter(mine, dtypes.pop(), overlap=overlap))
