@@ -950,12 +950,14 @@ class AmpZeroStrategy(ParallelStrategy):
             # ahead, drop the pages it touched.
             after_checkpoint(self.model)()
 
-    def save_consolidated(self, path: Any, dtype: Optional[str] = "bf16", fmt: str = "safetensors",
+    def save_consolidated(self, path: Any, dtype: Optional[str] = "bf16", fmt: Optional[str] = None,
                           max_shard_size: Any = None) -> list[Path]:
         """Write the whole model (e.g. 16-bit weights at the end of training) as plain state-dict file(s).
 
         Collective (call it on every rank); each parameter is gathered alone, so no rank holds the
-        whole model. Loads with ``load_state_dict`` into the unwrapped LightningModule.
+        whole model. Loads with ``load_state_dict`` into the unwrapped LightningModule. ``fmt``
+        ("safetensors" or "pt") defaults to what ``path``'s suffix names (``.pt``, ``.pth``,
+        ``.bin``: ``torch.save``), else safetensors; ``dtype`` None keeps the parameters' own.
         """
         from lightning_ampzero.checkpoint.consolidate import export_consolidated
 

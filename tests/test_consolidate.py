@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,6 +65,33 @@ def test_live_export_16bit_and_sharded_files(trained):
     # bf16 weights: same outputs up to bf16 rounding, and clearly not identical (the cast happened)
     got = _outputs(bf16)
     assert torch.allclose(got, ref, atol=0.05) and not torch.equal(got, ref)
+
+
+def test_the_file_format_follows_the_name_unless_given(trained, tmp_path):
+    # save_consolidated("model.pt") wrote safetensors bytes, which torch.load refused (a new-user trial).
+    from safetensors.torch import load_file
+
+    from lightning_ampzero.checkpoint.consolidate import Entry, write_state
+
+    tmp, _ = trained
+    live = torch.load(tmp / "live_default.pt", weights_only=True)  # the live export's defaults: bf16, torch.save
+    assert {v.dtype for v in live.values()} == {torch.bfloat16} and live.keys() == load_consolidated(
+        tmp / "live_bf16.safetensors").keys()
+    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    entries = [Entry("w", (2, 3), torch.float32)]
+    for name, loads in (("a.pt", torch.load), ("b.pth", torch.load), ("c.bin", torch.load),
+                        ("d.safetensors", None), ("e", None)):
+        (path,) = write_state(entries, lambda e: state[e.name], tmp_path / name)
+        back = loads(path, weights_only=True) if loads else load_file(path)
+        assert torch.equal(back["w"], state["w"]) and path.suffix == (Path(name).suffix or ".safetensors")
+    with pytest.raises(ValueError, match=r"x.pt names a torch.save file but the format asked for is 'safetensors'"):
+        write_state(entries, lambda e: state[e.name], tmp_path / "x.pt", fmt="safetensors")
+    final = next(c for c in trained[1]["ckpts"] if "epoch=1" in c)
+    proc = _cli(final, str(tmp_path / "cli.pt"))  # the CLI's default follows the name too
+    assert proc.returncode == 0, proc.stderr
+    assert torch.load(tmp_path / "cli.pt", weights_only=True).keys() == live.keys()
+    bad = _cli(final, str(tmp_path / "cli.safetensors"), "--format", "pt")
+    assert bad.returncode == 2 and "names a safetensors file but the format asked for is 'pt'" in bad.stderr
 
 
 def test_a_lightning_checkpoint_file_that_load_from_checkpoint_loads(trained, tmp_path):

@@ -25,6 +25,29 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("safetensors", "pt")
+#: File suffixes that name a ``torch.save`` file: an output so named is written with torch.save
+#: unless the caller asks for another format, which is then refused (:func:`resolve_format`).
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+def resolve_format(out: Path, fmt: Optional[str]) -> str:
+    """The file format for ``out``: ``fmt``, or when None the one its suffix names (safetensors otherwise).
+
+    A user who asked for ``model.pt`` wrote safetensors bytes into it (the format defaulted to
+    safetensors whatever the name) and ``torch.load`` then failed on pickling (a new-user trial).
+    So the name decides when no format is given, and a format that contradicts the name is refused.
+    """
+    suffix = out.suffix.lower()
+    named = "pt" if suffix in TORCH_SUFFIXES else "safetensors" if suffix == ".safetensors" else None
+    if fmt is None:
+        return named or "safetensors"
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r} is not supported. Allowed: {', '.join(FORMATS)}.")
+    if named is not None and named != fmt:
+        raise ValueError(f"{out.name} names a {'torch.save' if named == 'pt' else 'safetensors'} file but the format"
+                         f" asked for is {fmt!r}: name the output *.{'safetensors' if fmt == 'safetensors' else 'pt'},"
+                         " or leave the format out (it follows the name).")
+    return fmt
 _ST_DTYPE = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -147,7 +170,7 @@ def write_state(
     fetch: Callable[[Entry], torch.Tensor],
     out: Path,
     *,
-    fmt: str = "safetensors",
+    fmt: Optional[str] = None,
     max_shard_size: Optional[int] = None,
     write: bool = True,
     single_name: Optional[str] = None,
@@ -158,10 +181,10 @@ def write_state(
     on every rank) but writes nothing: only the global rank zero writes. With ``single_name``
     ``out`` is a directory and an unsplit output is ``out/single_name`` (``model.safetensors``,
     as ``save_pretrained`` names it); split outputs are ``model-0000i-of-0000n`` files plus
-    ``model.<fmt>.index.json`` either way.
+    ``model.<fmt>.index.json`` either way. ``fmt`` None: the one ``out``'s suffix names
+    (:func:`resolve_format`).
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"format {fmt!r} is not supported. Allowed: {', '.join(FORMATS)}.")
+    fmt = resolve_format(out, fmt)
     shards = plan_shards(entries, max_shard_size)
     paths = _shard_names(out, len(shards), fmt, single_name) if write else []
     for parent in {path.parent for path in paths}:  # as --format lightning and save_pretrained: made if missing
@@ -217,7 +240,7 @@ def consolidate_checkpoint(
     out: str | Path,
     *,
     dtype: Optional[str] = None,
-    fmt: str = "safetensors",
+    fmt: Optional[str] = None,
     max_shard_size: str | int | None = None,
     strip_prefix: str = "",
 ) -> list[Path]:
@@ -320,7 +343,7 @@ def export_consolidated(
     out: str | Path,
     *,
     dtype: Optional[str] = "bf16",
-    fmt: str = "safetensors",
+    fmt: Optional[str] = None,
     max_shard_size: str | int | None = None,
     is_global_zero: bool = True,
 ) -> list[Path]:

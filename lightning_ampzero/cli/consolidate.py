@@ -57,9 +57,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("checkpoint", type=Path, help="checkpoint directory (e.g. 'epoch=3-step=400.ckpt')")
     parser.add_argument("out", type=Path, help="output file, or folder when the output is split into shards")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
-    parser.add_argument("--format", choices=(*FORMATS, "lightning"), default="safetensors",
+    parser.add_argument("--format", choices=(*FORMATS, "lightning"), default=None,
                         help="safetensors or pt: a state dict; lightning: one .ckpt file that"
-                             " LightningModule.load_from_checkpoint loads (weights and hyper-parameters, no optimizer)")
+                             " LightningModule.load_from_checkpoint loads (weights and hyper-parameters, no optimizer)."
+                             " Default: what OUT's suffix names (.pt, .pth, .bin: pt), else safetensors")
     parser.add_argument("--max-shard-size", default=None,
                         help="split output files, e.g. 5GB (default: one file; with --hf-config: 5GB)")
     parser.add_argument("--strip-prefix", default=None,
@@ -73,7 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.hf_class and args.hf_config is None:
         parser.error("--hf-class needs --hf-config")
-    if args.hf_config is not None and args.format != "safetensors":
+    if args.hf_config is not None and args.format not in (None, "safetensors"):
         parser.error("--hf-config writes safetensors: leave --format at its default")
     if args.format == "lightning" and (args.max_shard_size is not None or args.strip_prefix is not None):
         parser.error("--format lightning writes one file with the LightningModule's own keys: drop --max-shard-size"

@@ -95,6 +95,8 @@ def main() -> None:
             outputs = model(x).float()[:, -1, :8].tolist()
         trainer.strategy.save_consolidated(Path(args.export) / "live_bf16.safetensors", dtype="bf16")
         trainer.strategy.save_consolidated(Path(args.export) / "live_fp32", dtype=None, max_shard_size="200KB")
+        # the defaults with a torch.save name: the format follows the name (it wrote safetensors: a trial)
+        trainer.strategy.save_consolidated(Path(args.export) / "live_default.pt")
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     scale = float(scaler.get_scale()) if scaler is not None and hasattr(scaler, "get_scale") else None
     if dist.get_rank() == 0:
