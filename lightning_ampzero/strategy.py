@@ -65,7 +65,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_ampzero._schema import suggest
 from lightning_ampzero.checkpoint.at_exception import ExceptionSaveGate
-from lightning_ampzero.checkpoint.sharded import load_sharded, save_sharded
+from lightning_ampzero.checkpoint.sharded import load_full_file, load_sharded, save_sharded
 from lightning_ampzero.activation import apply_activation_checkpointing
 from lightning_ampzero.config import (
     ActivationCheckpointingConfig,
@@ -939,6 +939,15 @@ class AmpZeroStrategy(ParallelStrategy):
         fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
         callbacks = self._callbacks()
+        if not fitting and path.is_file():
+            # validate / test / predict from one file (Lightning's ddp, a consolidated --format lightning
+            # file): weights only, as Lightning's own strategies read it there. Refused before (a new-user
+            # trial); a fit from one file still is (its optimizer and loop states would not carry over).
+            try:
+                return load_full_file(path, self._state_module(), strict=self.lightning_module.strict_loading,
+                                      weights_only=weights_only)
+            finally:
+                after_checkpoint(self.model)()
         try:
             checkpoint, loaded = load_sharded(path, self._state_module(), optimizers,
                                               strict=self.lightning_module.strict_loading, weights_only=weights_only,

@@ -195,3 +195,15 @@ def test_a_single_file_checkpoint_of_another_strategy_says_how_to_start_from_its
     with pytest.raises(ValueError, match="It is a single file, as Lightning's other strategies write.*load them before"
                                          r" trainer\.fit"):
         _check_loadable(ddp)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_validate_reads_the_weights_of_a_single_file_checkpoint(tmp_path, stage):
+    # trainer.validate(ckpt_path=<Lightning ddp's file>) was refused with advice about trainer.fit (a
+    # new-user trial); Lightning's own strategies read the weights there.
+    ddp = run_json("validate_file.py", tmp_path / "ddp.json", "--phase", "ddp", "--file", str(tmp_path / "ddp.ckpt"))
+    got = run_json("validate_file.py", tmp_path / "az.json", "--phase", "ampzero", "--stage", str(stage),
+                   "--file", str(tmp_path / "ddp.ckpt"))
+    assert got["max_weight_diff"] == 0.0
+    assert got["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-6)
+    assert abs(got["val_loss_own_weights"] - ddp["val_loss"]) > 1e-3  # the load is what made them equal

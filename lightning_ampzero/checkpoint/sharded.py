@@ -232,10 +232,11 @@ def _check_loadable(path: Path) -> None:
     if not is_sharded_checkpoint(path):
         hint = ""
         if path.is_file():  # a checkpoint of another strategy (ddp, deepspeed's single file, ...)
-            hint = (" It is a single file, as Lightning's other strategies write. To start from its weights, build the"
-                    " model in __init__, load them before trainer.fit (module.load_state_dict(torch.load(path,"
-                    " weights_only=False)['state_dict'])) and fit without ckpt_path: the optimizer and loop states do"
-                    " not carry over.")
+            hint = (" It is a single file, as Lightning's other strategies write: trainer.validate / test / predict read"
+                    " its weights with this strategy, trainer.fit does not resume from it. To train on from its"
+                    " weights, build the model in __init__, load them before trainer.fit"
+                    " (module.load_state_dict(torch.load(path, weights_only=False)['state_dict'])) and fit without"
+                    " ckpt_path: the optimizer and loop states do not carry over.")
         raise ValueError(
             f"{path} is not a sharded checkpoint directory written by strategy 'ampzero': it needs"
             f" {METADATA_FILE} and torch.distributed.checkpoint's .metadata.{hint}"
@@ -287,6 +288,29 @@ def load_sharded(
         set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"],
                                  options=StateDictOptions(strict=not stateless[i]))
     return torch.load(path / METADATA_FILE, weights_only=bool(weights_only)), present
+
+
+def load_full_file(path: Path, module: nn.Module, *, strict: bool = True,
+                   weights_only: bool | None = None) -> dict[str, Any]:
+    """Load the weights of a single-file Lightning checkpoint (``state_dict``: full tensors) into the partitioned ``module``.
+
+    Every rank reads the file and keeps its own shard of each tensor (memory: the whole file per
+    rank while loading, as Lightning's FSDP strategy reads one). Returns the checkpoint, for
+    Lightning's restore of callbacks and hyper-parameters.
+    """
+    from lightning.fabric.utilities.cloud_io import _load as pl_load
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    checkpoint = pl_load(path, map_location="cpu", weights_only=weights_only)
+    state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"{path} is a single file without a Lightning 'state_dict': not a checkpoint Lightning wrote. For a plain"
+            " state dict (ampzero-consolidate's safetensors or pt output), load it into the model yourself before"
+            " the call: module.load_state_dict(...) for a model built in __init__."
+        )
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+    return checkpoint
 
 
 def _saved_keys(path: Path) -> Iterable[str]:
