@@ -258,7 +258,8 @@ class PrecisionConfig(FromDict, section="precision"):
         check_grad_overflow: bf16 / fp32: still skip steps whose gradients are non-finite on any
             rank (one fused check, one collective). fp16 always checks.
         lower_precision_safe_modules: "-mixed": exact class names (``type(m).__name__``, no
-            subclasses) whose gradients are reduced (and under stage 3 parameters all-gathered) in
+            subclasses; a name ``torch.nn`` defines names torch's class only, not peft's LoRA
+            ``Linear``) whose gradients are reduced (and under stage 3 parameters all-gathered) in
             the low dtype; everything else communicates in fp32. Only valid with "-mixed".
             ``None`` (the default) is Linear and Conv1d-3d, with their gradients reduced in the low
             dtype where they cross a network (NCCL) and in fp32 on gloo, where the wire is the
