@@ -579,7 +579,8 @@ class AmpZeroStrategy(ParallelStrategy):
             # [offload] master weights + Adam moments to the host / NVMe; the step runs there.
             self.optimizers = offload_setup.wrap_optimizers(self.optimizers, self.config.offload, nvme_dir=nvme_dir,
                                                             rank=self.global_rank, params=self.param_swapper,
-                                                            callbacks=trainer.callbacks, warn=rank_zero_warn)
+                                                            callbacks=trainer.callbacks, warn=rank_zero_warn,
+                                                            info=rank_zero_info)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device([o for o in self.optimizers if not is_offloaded(o)], self.root_device)

@@ -425,9 +425,13 @@ def test_offload_refuses_a_finetuning_callback_at_setup_and_names_frozen_paramet
     assert len(said) == 1 and "holds 72 elements of frozen parameters" in said[0] and "(0.8 KiB of host memory" in said[0], said
     close_optimizers(wrapped)
     said.clear()
+    told: list[str] = []
     wrapped = wrap_optimizers([torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)], cfg,
-                              nvme_dir=None, rank=0, warn=said.append)
+                              nvme_dir=None, rank=0, warn=said.append, info=told.append)
     assert said == []  # only the trainable ones: nothing to say
+    # but the swap itself is said (a new-user trial found trainer.optimizers holding another class, unannounced)
+    assert len(told) == 1 and "trainer.optimizers holds OffloadedAdam(AdamW" in told[0] and "your AdamW" in told[0], told
+    assert wrap_optimizers(wrapped, cfg, nvme_dir=None, rank=0, info=told.append) == wrapped and len(told) == 1
     close_optimizers(wrapped)
 
 

@@ -162,17 +162,25 @@ def _swap_parameter_shards(model: torch.nn.Module, config: OffloadConfig, device
 
 def wrap_optimizers(optimizers: Sequence[Any], config: OffloadConfig, *, nvme_dir: Optional[Path],
                     rank: int, params: Any = None, callbacks: Sequence[Any] = (),
-                    warn: Callable[[str], None] = lambda message: None) -> list[Any]:
+                    warn: Callable[[str], None] = lambda message: None,
+                    info: Callable[[str], None] = lambda message: None) -> list[Any]:
     """Replace each optimizer by an :class:`OffloadedAdam` over it (``offload_optimizer`` cpu / nvme);
     ``params``: the model's ParamSwapper, if its parameters are swapped. ``callbacks``: the Trainer's,
-    checked for one that adds parameter groups later; ``warn``: told of frozen parameters it holds."""
+    checked for one that adds parameter groups later; ``warn``: told of frozen parameters it holds;
+    ``info``: told of each replacement (a user who looks at ``trainer.optimizers`` finds another class)."""
     if config.offload_optimizer == "none":
         return list(optimizers)
     _refuse_groups_added_later(callbacks)
     for optimizer in optimizers:
         _warn_frozen(optimizer, warn)
-    return [o if is_offloaded(o) else OffloadedAdam(o, config, nvme_dir=nvme_dir, rank=rank, params=params)
-            for o in optimizers]
+    wrapped = [o if is_offloaded(o) else OffloadedAdam(o, config, nvme_dir=nvme_dir, rank=rank, params=params)
+               for o in optimizers]
+    for before, after in zip(optimizers, wrapped):
+        if after is not before:
+            info(f"offload_optimizer={config.offload_optimizer!r}: trainer.optimizers holds {after!r}, which keeps"
+                 f" the master weights and moments of your {type(getattr(before, '_optimizer', before)).__name__} on"
+                 " the host and runs its step there (same hyper-parameters and param_groups).")
+    return wrapped
 
 
 # [Note: what the offloaded optimizer holds]
