@@ -48,6 +48,8 @@ def resolve_format(out: Path, fmt: Optional[str]) -> str:
                          f" asked for is {fmt!r}: name the output *.{'safetensors' if fmt == 'safetensors' else 'pt'},"
                          " or leave the format out (it follows the name).")
     return fmt
+
+
 _ST_DTYPE = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
