@@ -18,7 +18,11 @@ repetition, and whether its losses equal DDP's (the prototype is checked to comp
 thing, not assumed to). The prototype is a measurement, not a feature: one bucket (the suite's
 ``reduce_bucket_size`` of 5e8 makes FSDP2 one group here too), reduce-scatter and all-gather by
 ampzero's gloo rings, fused AdamW on each rank's slice, no accumulation, clipping, checkpoints or
-offload::
+offload.
+
+``--systems`` adds ``zro``: torch's own ZeRO-1, DDP with ``ZeroRedundancyOptimizer`` (each rank steps
+its share of whole parameters and broadcasts them, bucketed), a library alternative for stage 1
+that would need no engine of ampzero's own::
 
     torchrun --standalone --nproc_per_node=2 benchmarks/flat_zero_ceiling.py --precision bf16-mixed --reps 5
 """
@@ -115,6 +119,23 @@ def timed_run(name: str, w: Workload, precision: str, rank: int) -> tuple[list[f
         ddp = DistributedDataParallel(model)
         opt = adamw(model, w.lr)
         forward, step, zero = ddp, opt.step, lambda: opt.zero_grad(set_to_none=True)
+    elif name == "zro":
+        # PyTorch's own ZeRO-1: DDP's all-reduce, each rank steps its share of the parameters,
+        # then broadcasts them (bucketed: parameters_as_bucket_view)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = DistributedDataParallel(model)
+        reference = adamw(model, w.lr)
+        # AdamW's own keywords only (its groups also carry Adam's ``decoupled_weight_decay``)
+        keep = set(reference.defaults) - {"decoupled_weight_decay"}
+        specs = [{k: v for k, v in g.items() if k in keep | {"params"}} for g in reference.param_groups]
+        chosen = {k: reference.defaults[k] for k in ("fused", "foreach")}
+        opt = ZeroRedundancyOptimizer(specs[0]["params"], optimizer_class=torch.optim.AdamW,
+                                      parameters_as_bucket_view=True,
+                                      **{**{k: v for k, v in specs[0].items() if k != "params"}, **chosen})
+        for g in specs[1:]:
+            opt.add_param_group(g)
+        forward, step, zero = ddp, opt.step, lambda: opt.zero_grad(set_to_none=True)
     elif name == "fsdp2":
         mesh = init_device_mesh("cpu", (w.world,), mesh_dim_names=("dp",))
         zcfg = ZeroConfig(stage=2, reduce_bucket_size=w.reduce_bucket_size, allgather_bucket_size=w.allgather_bucket_size,
@@ -151,6 +172,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--precision", default="bf16-mixed", choices=("32-true", "bf16-mixed"))
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--systems", default="ddp,fsdp2,flat",
+                   help="comma-separated, ddp first: ddp, fsdp2, flat, zro (DDP + ZeroRedundancyOptimizer)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per system and repetition")
     args = p.parse_args()
     torch.set_num_threads(1)  # as the suite: one thread per rank on this 2-core machine
@@ -162,12 +185,13 @@ def main() -> None:
     keep_freed_host_memory(w.host_memory_cache_mb)
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     rank = dist.get_rank()
-    systems = ("ddp", "fsdp2", "flat")
+    systems = tuple(args.systems.split(","))
+    assert systems[0] == "ddp", "ratios are to ddp: list it first"
     medians: dict[str, list[float]] = {s: [] for s in systems}
     cpu_means: dict[str, list[float]] = {s: [] for s in systems}
     losses: dict[str, list[float]] = {}
     for rep in range(args.reps):
-        for name in systems[rep % 3:] + systems[:rep % 3]:  # order rotated per repetition
+        for name in systems[rep % len(systems):] + systems[:rep % len(systems)]:  # order rotated per repetition
             times, cpu, run_losses = timed_run(name, w, args.precision, rank)
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, (statistics.median(times), statistics.median(cpu)))

@@ -938,18 +938,16 @@ class AmpZeroStrategy(ParallelStrategy):
         # strategies restore optimizers only when fitting, too).
         trainer = self.lightning_module._trainer
         fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
-        callbacks = self._callbacks()
-        if not fitting and path.is_file():
-            # validate / test / predict from one file (Lightning's ddp, a consolidated --format lightning
-            # file): weights only, as Lightning's own strategies read it there. Refused before (a new-user
-            # trial); a fit from one file still is (its optimizer and loop states would not carry over).
-            try:
+        try:
+            if not fitting and path.is_file():
+                # validate / test / predict from one file (Lightning's ddp, a consolidated --format lightning
+                # file): weights only, as Lightning's own strategies read it there. Refused before (a
+                # new-user trial); a fit from one file still is (its optimizer and loop states would not
+                # carry over).
                 return load_full_file(path, self._state_module(), strict=self.lightning_module.strict_loading,
                                       weights_only=weights_only)
-            finally:
-                after_checkpoint(self.model)()
-        try:
+            optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
+            callbacks = self._callbacks()
             checkpoint, loaded = load_sharded(path, self._state_module(), optimizers,
                                               strict=self.lightning_module.strict_loading, weights_only=weights_only,
                                               extra=averaged_targets(callbacks, self._model_state))

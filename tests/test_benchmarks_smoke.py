@@ -138,12 +138,14 @@ def test_regression_guard_needs_wall_and_cpu_time_unless_wall_time_doubles_the_t
 
 def test_flat_zero_prototype_computes_what_ddp_computes():
     # benchmarks/flat_zero_ceiling.py compares step times; they mean something only while the
-    # prototype trains as DDP does: its losses over the run equal bare DDP's (and raw FSDP2's).
+    # prototype trains as DDP does: its losses over the run equal bare DDP's (and raw FSDP2's, and
+    # those of torch's ZeroRedundancyOptimizer over DDP, whose groups the script rebuilds by hand).
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "benchmarks" / "flat_zero_ceiling.py"), "--reps", "1", "--steps", "3"],
+         str(ROOT / "benchmarks" / "flat_zero_ceiling.py"), "--reps", "1", "--steps", "3",
+         "--systems", "ddp,fsdp2,flat,zro"],
         env=script_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {line.split()[0]: line for line in proc.stdout.splitlines() if "loss max rel. diff from ddp" in line}
-    assert set(rows) == {"ddp", "fsdp2", "flat"}, proc.stdout
+    assert set(rows) == {"ddp", "fsdp2", "flat", "zro"}, proc.stdout
     assert all(row.endswith("from ddp 0.0e+00") for row in rows.values()), proc.stdout

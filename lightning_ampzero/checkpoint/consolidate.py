@@ -45,7 +45,7 @@ def resolve_format(out: Path, fmt: Optional[str]) -> str:
         raise ValueError(f"format {fmt!r} is not supported. Allowed: {', '.join(FORMATS)}.")
     if named is not None and named != fmt:
         raise ValueError(f"{out.name} names a {'torch.save' if named == 'pt' else 'safetensors'} file but the format"
-                         f" asked for is {fmt!r}: name the output *.{'safetensors' if fmt == 'safetensors' else 'pt'},"
+                         f" asked for is {fmt!r}: name the output *.{fmt},"
                          " or leave the format out (it follows the name).")
     return fmt
 
