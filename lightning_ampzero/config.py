@@ -681,6 +681,15 @@ class OffloadConfig(FromDict, section="offload"):
         return self.offload_grad == "nvme" or (self.offload_grad == "auto" and self.offload_optimizer == "nvme")
 
 
+# DeepSpeed's top-level config sections and the AmpZeroConfig field each is read into
+# (lightning_ampzero/_deepspeed maps the keys inside them).
+_DEEPSPEED_SECTIONS = {
+    "zero_optimization": "zero", "fp16": "precision", "bf16": "precision", "torch_autocast": "precision",
+    "communication_data_type": "precision.communication_data_type", "msamp": "fp8",
+    "activation_checkpointing": "activation_checkpointing", "compile": "compile", "aio": "offload",
+}
+
+
 @dataclass(frozen=True)
 class AmpZeroConfig(FromDict):
     """Everything the strategy is configured by. Features add their own field here."""
@@ -691,6 +700,16 @@ class AmpZeroConfig(FromDict):
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+
+    def __getitem__(self, key: Any) -> Any:
+        # Lightning's DeepSpeedStrategy.config is DeepSpeed's dict, and its users index it
+        # (``config["zero_optimization"]["stage"]``); here that was a bare "not subscriptable"
+        # (a new-user trial). Say where the setting lives instead.
+        where = _DEEPSPEED_SECTIONS.get(key)
+        hint = f" DeepSpeed's {key!r} section is read as strategy.config.{where}." if where else ""
+        raise TypeError(
+            f"strategy.config is an AmpZeroConfig (a dataclass), not DeepSpeed's dict: read its fields as attributes,"
+            f" e.g. strategy.config.zero.stage.{hint} dataclasses.asdict(strategy.config) gives a plain dict.")
 
     def __post_init__(self) -> None:
         stage = self.zero.stage

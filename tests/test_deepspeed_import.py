@@ -138,6 +138,18 @@ def test_fp16_auto_cast_with_adam_section():
 # ---------------------------------------------------------------------------------------
 
 
+def test_indexing_the_config_as_deepspeeds_dict_says_where_the_section_went():
+    # Lightning's DeepSpeedStrategy.config is DeepSpeed's dict; ours is a dataclass. A migrating user's
+    # config["zero_optimization"] is told which field holds that section, and how to get a dict.
+    config = _convert(CONFIGS / "zero3_cpu_offload.json").config
+    with pytest.raises(TypeError, match=r"'zero_optimization' section is read as strategy\.config\.zero\."):
+        config["zero_optimization"]
+    with pytest.raises(TypeError, match=r"not DeepSpeed's dict.*dataclasses\.asdict") as caught:
+        config["train_batch_size"]
+    assert "section is read as" not in str(caught.value)  # no invented mapping for a key with no section here
+    assert dataclasses.asdict(config)["zero"]["stage"] == config.zero.stage == 3
+
+
 def test_offload_sections_map_to_offload_config():
     r = _convert({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False,
                                                                            "nvme_path": "/unused", "ratio": 0.5}}})

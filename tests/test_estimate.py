@@ -487,6 +487,17 @@ def test_cli_estimate_from_a_hugging_face_config(capsys, tmp_path):
     assert json.loads(capsys.readouterr().out)["activations"]["none"] > 0
 
 
+def test_a_config_without_architectures_is_refused_naming_its_own_model_classes(tmp_path):
+    # GPT2Config().save_pretrained() names no architecture; the hint named a Llama class for it
+    transformers = pytest.importorskip("transformers")
+    from lightning_ampzero.hf.export import meta_model
+
+    transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"--hf-class GPT2LMHeadModel or GPT2Model\)"):
+        meta_model(tmp_path)
+    assert type(meta_model(tmp_path, "GPT2LMHeadModel")).__name__ == "GPT2LMHeadModel"
+
+
 def test_cli_plan(capsys):
     base = ["plan", "--params", "1e6", "--largest-layer", "1e5", "--gpus-per-node", "4", "--zero", "prefetch_bucket_size=0",
             "--gpu-headroom", "0", "--cpu-headroom", "0", "--cpu-memory", "1TB"]

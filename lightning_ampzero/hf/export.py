@@ -324,11 +324,27 @@ def _model_class(config: Any, name: Optional[str]) -> Any:
     name = name or (config.architectures or [None])[0]
     if not name:
         raise ValueError("The config names no architecture (`architectures` is empty): pass the model class"
-                         " (--hf-class LlamaForCausalLM).")
+                         f" (--hf-class {_class_hint(config)}).")
     cls = getattr(transformers, name, None)
     if cls is None:
         raise ValueError(f"transformers has no model class {name!r}: pass the right one with --hf-class.")
     return cls
+
+
+def _class_hint(config: Any) -> str:
+    """The classes transformers' Auto* factories build for ``config.model_type``, as a hint.
+
+    A fresh ``GPT2Config().save_pretrained()`` names no architecture, and the hint named a Llama
+    class whatever the model was (a new-user trial).
+    """
+    from transformers.models.auto import modeling_auto
+
+    model_type = getattr(config, "model_type", None)
+    names = [table.get(model_type) for table in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                 modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+                                                 modeling_auto.MODEL_MAPPING_NAMES)]
+    names = [n for n in names if isinstance(n, str)]
+    return " or ".join(dict.fromkeys(names)) if names else "LlamaForCausalLM, say"
 
 
 def meta_model(hf_config: str | Path, model_class: Optional[str] = None) -> nn.Module:
