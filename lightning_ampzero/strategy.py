@@ -614,6 +614,8 @@ class AmpZeroStrategy(ParallelStrategy):
         try:
             self.activation_checkpointing = apply_activation_checkpointing(
                 module, self.config.activation_checkpointing, mesh=self._device_mesh, warn=rank_zero_warn)
+            if self.activation_checkpointing.enabled:
+                rank_zero_info(self.activation_checkpointing.summary())
         except ValueError as e:
             # A DeepSpeed config's section turned it on (DeepSpeed itself would do nothing for a model that
             # never calls its checkpointing API): say where it came from (a migration trial).

@@ -232,6 +232,15 @@ def test_named_modules_and_no_blocks():
     assert not apply_activation_checkpointing(GPT(CFG), AC()).enabled  # mode none: an inert handle
 
 
+def test_the_summary_says_what_is_checkpointed_and_where():
+    # the strategy logs this line at setup (nothing said that checkpointing was on: a new-user trial)
+    _, handle = _model(AC(mode="full", every_n=2, cpu_checkpointing=True))
+    assert handle.summary() == "activation checkpointing: full, checkpoints in host memory, 2 of 4 blocks (blocks.0, blocks.2)"
+    _, handle = _model(AC(mode="selective"))
+    assert handle.summary() == "activation checkpointing: selective, 4 of 4 blocks (blocks.0, blocks.1, blocks.2, ...)"
+    assert _model(AC())[1].summary() == "activation checkpointing: off"
+
+
 def test_select_blocks():
     assert select_blocks(8, 1, None) == list(range(8))
     assert select_blocks(8, 3, None) == [0, 3, 6]

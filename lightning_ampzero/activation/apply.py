@@ -306,6 +306,18 @@ class ActivationCheckpointing:
     def enabled(self) -> bool:
         return bool(self.blocks)
 
+    def summary(self) -> str:
+        """One line for the user: what is checkpointed, and where the checkpoints live.
+
+        Nothing said it was on, so a user could not tell the setting took effect (a new-user trial).
+        """
+        if not self.blocks:
+            return "activation checkpointing: off"
+        where = ", checkpoints in host memory" if self.config.cpu_checkpointing else ""
+        names = ", ".join(self.blocks[:3]) + (", ..." if len(self.blocks) > 3 else "")
+        return (f"activation checkpointing: {self.config.mode}{where}, {len(self.blocks)} of {len(self.candidates)}"
+                f" blocks ({names})")
+
     def after_sharding(self, model: nn.Module) -> int:
         """Under ``selective``, hide FSDP2's forward hooks from the checkpoint's op replay (the Note
         [sharding hooks inside a selectively checkpointed block]); returns how many were wrapped."""
