@@ -868,7 +868,8 @@ def test_the_auto_values_are_listed_with_what_they_resolved_to():
     assert said["optimizer.params.lr"] == "0.0123 (the optimizer's)"
     assert said["optimizer.params.weight_decay"] == "0.05 (the optimizer's)"
     assert said["scheduler.params.warmup_max_lr"] == "0.0123 (the optimizer's lr)"
-    assert said["scheduler.params.warmup_num_steps"].startswith("0 (the default; DeepSpeed warms up over at least 2")
+    assert said["scheduler.params.warmup_num_steps"].startswith(
+        '0 ("auto" as Hugging Face fills it: no warmup steps; DeepSpeed warms up over at least 2')
     assert said["zero_optimization.reduce_bucket_size"] == f"{r.config.zero.reduce_bucket_size!r} (the default)"
     assert said["zero_optimization.stage3_prefetch_bucket_size"] == f"{r.config.zero.prefetch_bucket_size!r} (the default)"
     assert said["gradient_accumulation_steps"] == "2 (the Trainer's)"
