@@ -242,8 +242,9 @@ class ImportedDeepSpeedConfig:
             # not "no warmup": DeepSpeed's WarmupLR warms up over max(2, warmup_num_steps) steps (a trial)
             # "auto" is Hugging Face's: its Trainer's warmup_steps, 0 unless set (DeepSpeed's own default,
             # for a key left out, is 1000: a trial took 0 for that)
-            return (f"{value!r} (\"auto\" as Hugging Face fills it: no warmup steps; DeepSpeed warms up over at least 2 steps, so the first two optimizer"
-                    " steps run at warmup_min_lr; set warmup_num_steps to warm up longer)")
+            return (f"{value!r} (\"auto\" as Hugging Face fills it: no warmup steps; DeepSpeed warms up over at"
+                    " least 2 steps, so the first two optimizer steps run at warmup_min_lr; set warmup_num_steps to"
+                    " warm up longer)")
         return f"{value!r} (the default)"
 
     def install_optimizers(self, module: Any) -> None:
