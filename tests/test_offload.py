@@ -376,9 +376,42 @@ def test_swap_files_of_a_killed_run_are_removed_by_the_next(tmp_path):
     assert os.path.exists(other_host / "x.swp")
 
 
+def test_ranks_cleaning_the_same_dead_directories_at_once_count_each_once(tmp_path, monkeypatch):
+    # Two ranks of a host clean the same dead directories: here the other rank runs its whole cleanup
+    # while this one is between its checks of the first directory. Each directory is removed once and
+    # counted once over both (a trial's two warnings said 2 + 2 for 3 directories).
+    import subprocess
+    import sys
+
+    from lightning_ampzero.offload import store
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = store._SWAP_DIR.match(store.swap_dir_name("params", 1))["host"]
+    entries = [tmp_path / f"ampzero-params-rank{r}-{host}-{dead.pid}-0123abc{r}" for r in range(3)]
+    for entry in entries:
+        entry.mkdir()
+        (entry / "x.swp").write_bytes(b"\0" * 4096)
+    exists, other = store._process_exists, []
+
+    def other_rank_meanwhile(pid):
+        if not other:
+            monkeypatch.setattr(store, "_process_exists", exists)
+            with pytest.warns(UserWarning):
+                other.extend(store.remove_dead_swap_dirs(tmp_path))
+        return exists(pid)
+
+    monkeypatch.setattr(store, "_process_exists", other_rank_meanwhile)
+    mine = store.remove_dead_swap_dirs(tmp_path)
+    assert len(mine) + len(other) == 3
+    assert sorted(p for p, _ in mine + other) == entries
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_dead_swap_directory_another_rank_removes_meanwhile_is_no_error(tmp_path, monkeypatch):
     # Ranks of one host clean the same dead directories at once; one rank's rglob met a directory
-    # the other had just removed, and its FileNotFoundError ended the setup (a CI run).
+    # the other had just removed, and its FileNotFoundError ended the setup (a CI run). (Each rank
+    # now walks only what it claimed; a walk that fails still ends nothing.)
     import shutil
     import subprocess
     import sys

@@ -123,7 +123,8 @@ class HostStore:
 # so before creating its own directory a swapper removes those of processes of this host that no
 # longer exist, and says what it freed. Directories of other hosts (a shared filesystem) and of
 # live processes are never touched.
-_SWAP_DIR = re.compile(r"^ampzero-(offload|params|grads)-rank(\d+)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+_SWAP_DIR = re.compile(
+    r"^ampzero-(offload|params|grads)-rank(\d+)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}(?P<claimed>\.removing-[0-9a-f]{8})?$")
 
 
 def swap_dir_name(kind: str, rank: int) -> str:
@@ -154,18 +155,24 @@ def remove_dead_swap_dirs(path: Path) -> list[tuple[Path, int]]:
         m = _SWAP_DIR.match(entry.name)
         if m is None or m["host"] != host or not entry.is_dir() or _process_exists(int(m["pid"])):
             continue
+        # The ranks of this host clean the same directories at once: each claims a directory by
+        # renaming it (atomic; the others' renames then fail) and removes and counts only what it
+        # claimed. Before, two ranks removed one directory together and both counted it (a trial: 2 +
+        # 2 of 3). A claim cut short by a kill keeps the pattern, with the dead pid: cleaned next time.
+        claimed = entry.with_name(f"{entry.name[:m.start('claimed')] if m['claimed'] else entry.name}"
+                                  f".removing-{uuid.uuid4().hex[:8]}")
+        try:
+            entry.rename(claimed)
+        except OSError:
+            continue  # another rank claimed it first
         size = 0
         try:
-            for f in entry.rglob("*"):
+            for f in claimed.rglob("*"):
                 size += f.stat().st_blocks * 512 if f.is_file() else 0
         except OSError:
-            # The other ranks of this host clean the same directory at the same time: one of them
-            # removed it (or a file of it) while this one walked it (a CI run: FileNotFoundError
-            # from rglob ended rank 1's setup).
-            pass
-        shutil.rmtree(entry, ignore_errors=True)
-        if not entry.exists():
-            removed.append((entry, size))
+            pass  # a size is for the message only
+        shutil.rmtree(claimed, ignore_errors=True)
+        removed.append((entry, size))
     if removed:
         warnings.warn(
             f"offload: removed {len(removed)} swap director{'y' if len(removed) == 1 else 'ies'} of processes that no"
