@@ -73,7 +73,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
             raise SystemExit(f"usage: python -m lightning_ampzero.train {WORKER_FLAG} <job.json>")
         return worker_main(Path(args[1]))
     register_configs()
-    args = quote_values_with_equals(args)
+    args = quote_plain_values(args)
     try:
         check_machine(preflight(args))
     except ConfigError as e:
@@ -131,18 +131,21 @@ def preflight(args: Sequence[str], *, max_jobs: int = 256) -> list[TrainAppConfi
 _OVERRIDE = re.compile(r"^(~?\+{0,2}[\w.@/-]+)=(.*)$", re.S)
 
 
-def quote_values_with_equals(args: Sequence[str]) -> list[str]:
-    """Quote override values that contain ``=``, such as the checkpoints Lightning names ``epoch=0-step=20.ckpt``.
+def quote_plain_values(args: Sequence[str]) -> list[str]:
+    """Quote override values Hydra's grammar cannot read unquoted: with ``=`` or a non-ASCII character.
 
-    Hydra's override grammar has no unquoted value with ``=`` in it (``mismatched input '='``), so
-    quoting is the only reading such an override can have; values that already hold a quote, an
-    interpolation or a sweep are left to Hydra.
+    Lightning names checkpoints ``epoch=0-step=20.ckpt``, and Hydra has no unquoted value with
+    ``=`` in it (``mismatched input '='``); nor with a character such as ``ü`` (a path like
+    ``/tmp/new user ü/run``: ``LexerNoViableAltException``, a trial). Quoting is the only reading
+    such an override can have; values that already hold a quote, an interpolation or a sweep are
+    left to Hydra.
     """
     out = []
     for arg in args:
         match = _OVERRIDE.match(arg) if not arg.startswith("-") else None
-        if match and "=" in match.group(2) and not re.search(r"['\"$,\[\]{}()]", match.group(2)):
-            arg = f"{match.group(1)}='{match.group(2)}'"
+        value = match.group(2) if match else ""
+        if match and ("=" in value or not value.isascii()) and not re.search(r"['\"$,\[\]{}()]", value):
+            arg = f"{match.group(1)}='{value}'"
         out.append(arg)
     return out
 
@@ -212,7 +215,9 @@ def compose(overrides: Sequence[str] = (), *, config_dir: Optional[str] = None, 
     register_configs()
     overrides = list(overrides)
     if config_dir is not None:
-        overrides.append(f"hydra.searchpath=[file://{Path(config_dir).resolve()}]")
+        # quoted: a folder named with a character such as ``ü`` broke Hydra's lexer on an override the
+        # user never typed (a trial); Hydra itself adds --config-dir without an override
+        overrides.append(f"hydra.searchpath=['file://{Path(config_dir).resolve()}']")
     # Hydra reads a relative --config-path against the file that declares the app (this one).
     primary = (Path(__file__).parent / config_path).resolve() if config_path else conf_dir()
     GlobalHydra.instance().clear()

@@ -407,16 +407,25 @@ def test_machine_checks_fail_before_any_process_starts(overrides, expected, caps
     assert "Nothing was started." in err
 
 
-def test_override_values_with_equals_are_quoted_for_hydra():
-    # Lightning names checkpoints epoch=0-step=20.ckpt; Hydra's grammar rejects '=' in an unquoted value.
-    from lightning_ampzero.train import quote_values_with_equals
+def test_override_values_hydra_cannot_read_unquoted_are_quoted(tmp_path):
+    # Lightning names checkpoints epoch=0-step=20.ckpt; Hydra's grammar rejects '=' in an unquoted
+    # value, and a non-ASCII character such as 'ü' (a trial's "/tmp/new user ü/...").
+    from lightning_ampzero.train import preflight, quote_plain_values
 
-    assert quote_values_with_equals(["run.ckpt_path=/x/epoch=0-step=20.ckpt", "strategy=zero3", "-m"]) == [
+    assert quote_plain_values(["run.ckpt_path=/x/epoch=0-step=20.ckpt", "strategy=zero3", "-m"]) == [
         "run.ckpt_path='/x/epoch=0-step=20.ckpt'", "strategy=zero3", "-m"]
-    kept = ["a=b,c=d", "x=${y}", "p='q=r'", "--config-dir=/x=y"]
-    assert quote_values_with_equals(kept) == kept
-    app = compose_typed(quote_values_with_equals(["run.ckpt_path=/x/epoch=0-step=20.ckpt"]))
+    assert quote_plain_values(["data.path=/tmp/new user ü/c.txt"]) == ["data.path='/tmp/new user ü/c.txt'"]
+    kept = ["a=b,c=d", "x=${y}", "p='q=r'", "--config-dir=/x=y", "d.p='/ü'"]
+    assert quote_plain_values(kept) == kept
+    app = compose_typed(quote_plain_values(["run.ckpt_path=/x/epoch=0-step=20.ckpt"]))
     assert app.run.ckpt_path == "/x/epoch=0-step=20.ckpt"
+    assert compose_typed(quote_plain_values(["data.path=/tmp/new user ü/c.txt"])).data.path == "/tmp/new user ü/c.txt"
+    # a --config-dir named with one: the search path added for it is quoted
+    cfg_dir = tmp_path / "cfg ü" / "experiment"
+    cfg_dir.mkdir(parents=True)
+    (cfg_dir / "mine.yaml").write_text("# @package _global_\ntrainer:\n  max_steps: 7\n")
+    (app,) = preflight(["--config-dir", str(tmp_path / "cfg ü"), "experiment=mine"])
+    assert app.trainer.max_steps == 7
 
 
 def test_step_interval_validation_runs_across_epochs():

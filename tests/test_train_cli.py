@@ -136,6 +136,27 @@ def test_offload_activation_checkpointing_and_fp8_run(tmp_path):
     assert "│ features" in proc.stdout  # the summary table's row for these features
 
 
+def test_a_resumed_run_summarizes_its_own_steps_and_a_batch_larger_than_the_data_is_said(tmp_path):
+    # A trial: a resumed job's summary had no throughput or MFU (its clock started at global step 1)
+    # and counted the earlier run's steps beside this run's tokens.
+    first = _run([*QUICK, "trainer.max_steps=4", "hydra.run.dir=first"], tmp_path)
+    assert first.returncode == 0, _output(first)
+    resumed = _run([*QUICK, "trainer.max_steps=8", "hydra.run.dir=second",
+                    f"run.ckpt_path={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}"], tmp_path)
+    assert resumed.returncode == 0, _output(resumed)
+    summary = json.loads((tmp_path / "second" / "summary.json").read_text())
+    assert (summary["steps"], summary["resumed_at_step"]) == (4, 4) and len(summary["losses"]) == 4
+    assert summary["tokens"] == 4 * 2 * 8 * 32  # this run's: steps x processes x batch x block
+    assert summary["tokens_per_s"] > 0 and summary["mfu"] > 0
+    assert "resumed at step 4: steps 5-8" in resumed.stdout
+    # More sequences per batch than a process gets: one message saying so, not "No training batches"
+    # followed by the summary's KeyError.
+    big = _run([*QUICK, "data.batch_size=100000", "hydra.run.dir=big"], tmp_path)
+    assert big.returncode != 0
+    assert "data.batch_size=100000 is more than the" in big.stderr + big.stdout, _output(big)
+    assert "KeyError" not in big.stderr + big.stdout
+
+
 def test_a_failing_rank_stops_the_job(tmp_path):
     """A rank that dies makes the job fail promptly with the rank named (the others are stopped)."""
     # A corpus too short for one window fails in every rank (a missing file is caught before any

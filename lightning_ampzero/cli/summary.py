@@ -58,7 +58,7 @@ class SummaryCallback(Callback):
             return
         self._losses.append(sum(self._step_losses) / max(1, len(self._step_losses)))
         self._step_losses = []
-        if trainer.global_step == 1:
+        if self._t_mark is None:  # this run's first step, also in a resumed run (a trial: no throughput there)
             self._t_mark, self._tokens_at_mark = time.perf_counter(), self._tokens
 
     @staticmethod
@@ -103,7 +103,9 @@ class SummaryCallback(Callback):
             "world_size": trainer.world_size,
             "num_nodes": trainer.num_nodes,
             "num_params": numel,
-            "steps": trainer.global_step,
+            # this run's steps, which its tokens and losses count; a resumed run started after the rest
+            "steps": n_steps,
+            "resumed_at_step": trainer.global_step - n_steps,
             "losses": losses,
             "loss_first": sum(losses[:window]) / window if losses else None,
             "loss_last": sum(losses[-window:]) / window if losses else None,
@@ -217,7 +219,9 @@ def render_summary(summary: dict[str, Any], console: Any = None) -> None:
     features = _describe_features(summary.get("features") or {})
     if features:
         table.add_row("features", features)
-    table.add_row("steps", f"{summary['steps']} optimizer steps, {summary['tokens']:,} tokens")
+    resumed = summary.get("resumed_at_step") or 0
+    table.add_row("steps", f"{summary['steps']} optimizer steps, {summary['tokens']:,} tokens"
+                  + (f" (resumed at step {resumed}: steps {resumed + 1}-{resumed + summary['steps']})" if resumed else ""))
     if summary.get("loss_first") is not None:
         w = summary.get("loss_window", 1)
         table.add_row("train loss", f"{summary['loss_first']:.4f} -> {summary['loss_last']:.4f}"

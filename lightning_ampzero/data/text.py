@@ -32,6 +32,7 @@ class DataConfig(FromDict, section="data"):
 
     Attributes:
         corpus: name of a corpus shipped with the package (``shakespeare``); ignored when ``path`` is set.
+            ``None`` (``data=text_file``): ``path`` is required.
         path: any file, read as bytes (UTF-8 text works: multi-byte characters become several tokens).
         block_size: tokens per training sequence; must not exceed the model's ``block_size``.
         batch_size: sequences per micro-batch per process.
@@ -41,7 +42,7 @@ class DataConfig(FromDict, section="data"):
         num_workers: DataLoader worker processes per rank (0 = load in the training process).
     """
 
-    corpus: str = "shakespeare"
+    corpus: Optional[str] = "shakespeare"
     path: Optional[str] = None
     block_size: int = 64
     batch_size: int = 16
@@ -51,6 +52,11 @@ class DataConfig(FromDict, section="data"):
 
     def __post_init__(self) -> None:
         if self.path is None:
+            if self.corpus is None:
+                # data=text_file: its ``path: ???`` could not say this (OmegaConf's merge keeps the
+                # schema's default under a ``???``), and the job trained on the shipped corpus (a trial).
+                raise ValueError("data.path is not set: data=text_file trains on a file of yours; give it as"
+                                 " data.path=/path/to/corpus.txt (or train on the shipped corpus: data=shakespeare).")
             check_choice("data", "corpus", self.corpus, tuple(SHIPPED_CORPORA))
         for name in ("block_size", "batch_size"):
             check_number("data", name, getattr(self, name), minimum=1, integral=True)
@@ -188,6 +194,17 @@ class TextDataModule(_datamodule_base()):  # type: ignore[misc]
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"
+        # Lightning's DistributedSampler gives each process ceil(n / world) windows, and the loader
+        # drops a last incomplete batch: with fewer windows than a batch, Lightning stopped on "No
+        # training batches" and the main job's summary then failed on it (a trial).
+        world = getattr(self.trainer, "world_size", 1) if self.trainer is not None else 1
+        per_process = -(-len(self.train_set) // world)
+        if per_process < self.config.batch_size:
+            raise ValueError(
+                f"data.batch_size={self.config.batch_size} is more than the {per_process} training sequences each of"
+                f" the {world} process(es) gets from {self.config.file} ({len(self.train_set)} windows of"
+                f" block_size={self.config.block_size}). Lower data.batch_size to at most {per_process}, or train on"
+                " a longer file.")
         return ResumableLoader(
             self.train_set, batch_size=self.config.batch_size, shuffle=True, drop_last=True,
             num_workers=self.config.num_workers, persistent_workers=self.config.num_workers > 0,
