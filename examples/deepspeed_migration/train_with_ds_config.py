@@ -1,8 +1,8 @@
 """Train a LightningModule with the DeepSpeed config you already have: AmpZeroStrategy(config="ds_config.json").
 
-    python examples/deepspeed_migration/train_with_ds_config.py ds_configs/zero3_cpu_offload.json
-    python examples/deepspeed_migration/train_with_ds_config.py ds_configs/*.json --steps 10 --out results.json
-    python examples/deepspeed_migration/train_with_ds_config.py ds_configs/zero3_infinity_nvme_auto.json --nvme-path /tmp/swap
+    python examples/deepspeed_migration/train_with_ds_config.py examples/deepspeed_migration/ds_configs/zero3_cpu_offload.json
+    python examples/deepspeed_migration/train_with_ds_config.py examples/deepspeed_migration/ds_configs/*.json --steps 10 --out results.json
+    python examples/deepspeed_migration/train_with_ds_config.py examples/deepspeed_migration/ds_configs/zero3_infinity_nvme_auto.json --nvme-path /tmp/swap
 
 The module below has no ``configure_optimizers``: the config's ``optimizer`` and ``scheduler``
 sections are used (DeepSpeed's behaviour). ``gradient_clipping`` and

@@ -42,6 +42,9 @@ class CausalLMFineTune(pl.LightningModule):
 
         # Built from the directory's config.json; the weights stream in when the strategy sets up.
         self.model = hf.from_pretrained(AutoModelForCausalLM, self.hparams.model_dir)
+        # from_pretrained returns eval mode, as transformers' does; Lightning keeps a module's mode
+        # (and warns "Found N module(s) in eval mode"), so train mode is set here, as HF's Trainer does
+        self.model.train()
 
     def _loss(self, batch) -> torch.Tensor:
         x, y = (t.long() for t in batch)  # byte windows: input and next-byte target

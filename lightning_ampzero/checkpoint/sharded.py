@@ -235,8 +235,9 @@ def _check_loadable(path: Path) -> None:
             hint = (" It is a single file, as Lightning's other strategies write: trainer.validate / test / predict read"
                     " its weights with this strategy, trainer.fit does not resume from it. To train on from its"
                     " weights, build the model in __init__, load them before trainer.fit"
-                    " (module.load_state_dict(torch.load(path, weights_only=False)['state_dict'])) and fit without"
-                    " ckpt_path: the optimizer and loop states do not carry over.")
+                    " (module.load_state_dict(torch.load(path, weights_only=False)['state_dict']); a plain state"
+                    " dict, such as save_consolidated's output, loads as it is, without ['state_dict']) and fit"
+                    " without ckpt_path: the optimizer and loop states do not carry over.")
         raise ValueError(
             f"{path} is not a sharded checkpoint directory written by strategy 'ampzero': it needs"
             f" {METADATA_FILE} and torch.distributed.checkpoint's .metadata.{hint}"
