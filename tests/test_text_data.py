@@ -98,3 +98,27 @@ def test_main_job_resume_within_an_epoch(tmp_path):
     resumed, resumed_weights = fit(tmp_path / "ck" / "step=3.ckpt")
     assert resumed == whole[3:]
     assert all(torch.equal(a, b) for a, b in zip(weights, resumed_weights))
+
+
+@pytest.mark.parametrize("n_bytes", [66, 67, 1000, 4099])
+@pytest.mark.parametrize("kw", [{}, {"val_fraction": 0.0}, {"stride": 7}, {"val_fraction": 0.3, "stride": 50}])
+def test_the_pre_flight_window_count_is_the_data_modules(tmp_path, n_bytes, kw):
+    # ampzero-train refuses a batch larger than a process's windows before any process starts, from
+    # the file's size alone: that count must be the one the data module's loader then sees.
+    from lightning_ampzero.data.text import too_few_windows, train_windows
+
+    path = tmp_path / "corpus.bin"
+    path.write_bytes(bytes(range(256)) * (n_bytes // 256) + bytes(n_bytes % 256))
+    config = DataConfig(path=str(path), block_size=32, batch_size=2, **kw)
+    data = TextDataModule(config)
+    try:
+        data.setup()
+    except ValueError:  # too few tokens for one window: the data module says so itself
+        assert train_windows(config, n_bytes) == 0
+        return
+    windows = len(data.train_set)
+    assert train_windows(config, n_bytes) == windows
+    per_process = -(-windows // 2)
+    assert too_few_windows(DataConfig(path=str(path), block_size=32, batch_size=per_process, **kw), windows, 2) is None
+    said = too_few_windows(DataConfig(path=str(path), block_size=32, batch_size=per_process + 1, **kw), windows, 2)
+    assert said is not None and f"more than the {per_process} training sequences" in said

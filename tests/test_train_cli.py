@@ -151,10 +151,11 @@ def test_a_resumed_run_summarizes_its_own_steps_and_a_batch_larger_than_the_data
     assert "resumed at step 4: steps 5-8" in resumed.stdout
     # More sequences per batch than a process gets: one message saying so, not "No training batches"
     # followed by the summary's KeyError.
+    # Said before any process starts (the pre-flight counts the windows as the data module does).
     big = _run([*QUICK, "data.batch_size=100000", "hydra.run.dir=big"], tmp_path)
-    assert big.returncode != 0
-    assert "data.batch_size=100000 is more than the" in big.stderr + big.stdout, _output(big)
-    assert "KeyError" not in big.stderr + big.stdout
+    assert big.returncode == 2, _output(big)
+    assert "data.batch_size=100000 is more than the 8253 training sequences each of the 2 process(es)" in big.stderr
+    assert "Nothing was started." in big.stderr and not (tmp_path / "big").exists()
 
 
 def test_a_failing_rank_stops_the_job(tmp_path):

@@ -119,6 +119,30 @@ def split_tokens(tokens: torch.Tensor, val_fraction: float, block_size: int) -> 
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
 
 
+def train_windows(config: DataConfig, n_tokens: int) -> int:
+    """How many training windows a file of ``n_tokens`` gives (:func:`split_tokens`, then :class:`ByteWindows`)."""
+    n_val = int(n_tokens * config.val_fraction)
+    if config.val_fraction > 0:
+        n_val = max(n_val, config.block_size + 1)
+    span = n_tokens - n_val - config.block_size - 1
+    return span // (config.stride or config.block_size) + 1 if span >= 0 else 0
+
+
+def too_few_windows(config: DataConfig, windows: int, world: int) -> Optional[str]:
+    """Why ``windows`` training windows give some process no full batch, or None.
+
+    Lightning's DistributedSampler gives each process ceil(n / world) windows and the loader
+    drops a last incomplete batch: with fewer windows than a batch, Lightning stopped on "No
+    training batches" and the main job's summary then failed on it (a trial).
+    """
+    per_process = -(-windows // world)
+    if per_process >= config.batch_size:
+        return None
+    return (f"data.batch_size={config.batch_size} is more than the {per_process} training sequences each of the"
+            f" {world} process(es) gets from {config.file} ({windows} windows of block_size={config.block_size})."
+            f" Lower data.batch_size to at most {per_process}, or train on a longer file.")
+
+
 # [Note: a loader that resumes within its epoch]
 # Lightning saves a loader's state_dict() in the checkpoint when it has one, and hands it back
 # before the resumed fit's first iter(); a loader without one starts the interrupted epoch again
@@ -194,17 +218,10 @@ class TextDataModule(_datamodule_base()):  # type: ignore[misc]
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"
-        # Lightning's DistributedSampler gives each process ceil(n / world) windows, and the loader
-        # drops a last incomplete batch: with fewer windows than a batch, Lightning stopped on "No
-        # training batches" and the main job's summary then failed on it (a trial).
         world = getattr(self.trainer, "world_size", 1) if self.trainer is not None else 1
-        per_process = -(-len(self.train_set) // world)
-        if per_process < self.config.batch_size:
-            raise ValueError(
-                f"data.batch_size={self.config.batch_size} is more than the {per_process} training sequences each of"
-                f" the {world} process(es) gets from {self.config.file} ({len(self.train_set)} windows of"
-                f" block_size={self.config.block_size}). Lower data.batch_size to at most {per_process}, or train on"
-                " a longer file.")
+        too_few = too_few_windows(self.config, len(self.train_set), world)
+        if too_few:
+            raise ValueError(too_few)
         return ResumableLoader(
             self.train_set, batch_size=self.config.batch_size, shuffle=True, drop_last=True,
             num_workers=self.config.num_workers, persistent_workers=self.config.num_workers > 0,
