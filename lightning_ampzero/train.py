@@ -163,15 +163,6 @@ def check_machine(apps: Sequence[TrainAppConfig]) -> None:
                 f"data.path={data_path!r}: no such file{_abs_note(data_path)}. Give a readable file"
                 " (data=text_file data.path=/path/to/corpus.txt), or use the shipped corpus (data=shakespeare)."
             )
-        from lightning_ampzero.data.text import too_few_windows, train_windows
-
-        file = app.data.file
-        windows = train_windows(app.data, file.stat().st_size) if file.is_file() else 0
-        if windows:  # a batch larger than a process's share, said before the processes start (a file
-            # too short for one window is said by the data module, in every rank)
-            too_few = too_few_windows(app.data, windows, processes_per_node(app) * app.trainer.num_nodes)
-            if too_few:
-                raise ConfigError(too_few)
         ckpt = app.run.ckpt_path
         if ckpt is not None and not Path(ckpt).expanduser().exists():
             raise ConfigError(
@@ -187,6 +178,15 @@ def check_machine(apps: Sequence[TrainAppConfig]) -> None:
                     f"trainer.accelerator={app.trainer.accelerator!r}, but this machine has no usable CUDA device"
                     f" (torch {torch.__version__}, {built}). Use trainer=cpu, or run on a machine with a GPU."
                 )
+        from lightning_ampzero.data.text import too_few_windows, train_windows
+
+        file = app.data.file
+        windows = train_windows(app.data, file.stat().st_size) if file.is_file() else 0
+        if windows:  # a batch larger than a process's share, said before the processes start, once the
+            # devices are known to exist (a file too short for one window: the data module says it, in every rank)
+            too_few = too_few_windows(app.data, windows, processes_per_node(app) * app.trainer.num_nodes)
+            if too_few:
+                raise ConfigError(too_few)
 
 
 def _abs_note(path: str) -> str:
