@@ -220,8 +220,8 @@ def render_summary(summary: dict[str, Any], console: Any = None) -> None:
     if features:
         table.add_row("features", features)
     resumed = summary.get("resumed_at_step") or 0
-    table.add_row("steps", f"{summary['steps']} optimizer steps, {summary['tokens']:,} tokens"
-                  + (f" (resumed at step {resumed}: steps {resumed + 1}-{resumed + summary['steps']})" if resumed else ""))
+    span = f" (resumed at step {resumed}: steps {resumed + 1}-{resumed + summary['steps']})" if resumed else ""
+    table.add_row("steps", f"{summary['steps']} optimizer steps, {summary['tokens']:,} tokens{span}")
     if summary.get("loss_first") is not None:
         w = summary.get("loss_window", 1)
         table.add_row("train loss", f"{summary['loss_first']:.4f} -> {summary['loss_last']:.4f}"

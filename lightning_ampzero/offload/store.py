@@ -123,8 +123,8 @@ class HostStore:
 # so before creating its own directory a swapper removes those of processes of this host that no
 # longer exist, and says what it freed. Directories of other hosts (a shared filesystem) and of
 # live processes are never touched.
-_SWAP_DIR = re.compile(
-    r"^ampzero-(offload|params|grads)-rank(\d+)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}(?P<claimed>\.removing-[0-9a-f]{8})?$")
+_SWAP_DIR = re.compile(r"^ampzero-(offload|params|grads)-rank(\d+)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}"
+                       r"(?P<claimed>\.removing-[0-9a-f]{8})?$")
 
 
 def swap_dir_name(kind: str, rank: int) -> str:
