@@ -91,12 +91,11 @@ class ByteWindows(Dataset):
         self.tokens = tokens
         self.block_size = block_size
         self.stride = stride or block_size
-        span = len(tokens) - block_size - 1
-        if span < 0:
+        self._len = window_count(len(tokens), block_size, self.stride)
+        if self._len == 0:
             raise ValueError(
                 f"{len(tokens)} tokens are too few for one window of block_size={block_size} (+1 target)."
             )
-        self._len = span // self.stride + 1
 
     def __len__(self) -> int:
         return self._len
@@ -109,11 +108,21 @@ class ByteWindows(Dataset):
         return window[:-1], window[1:]
 
 
+def window_count(n_tokens: int, block_size: int, stride: int) -> int:
+    """How many windows of ``block_size`` (+1 target) start ``stride`` apart in ``n_tokens`` tokens."""
+    span = n_tokens - block_size - 1
+    return span // stride + 1 if span >= 0 else 0
+
+
+def val_token_count(n_tokens: int, val_fraction: float, block_size: int) -> int:
+    """How many tokens at the file's tail :func:`split_tokens` holds out (at least one window's, if any)."""
+    n_val = int(n_tokens * val_fraction)
+    return max(n_val, block_size + 1) if val_fraction > 0 else n_val
+
+
 def split_tokens(tokens: torch.Tensor, val_fraction: float, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Train on the head of the file, validate on its tail (the split never cuts a window in two)."""
-    n_val = int(len(tokens) * val_fraction)
-    if val_fraction > 0:
-        n_val = max(n_val, block_size + 1)
+    n_val = val_token_count(len(tokens), val_fraction, block_size)
     if len(tokens) - n_val < block_size + 1:
         raise ValueError(f"{len(tokens)} tokens are too few for val_fraction={val_fraction} and block_size={block_size}.")
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
@@ -121,11 +130,8 @@ def split_tokens(tokens: torch.Tensor, val_fraction: float, block_size: int) -> 
 
 def train_windows(config: DataConfig, n_tokens: int) -> int:
     """How many training windows a file of ``n_tokens`` gives (:func:`split_tokens`, then :class:`ByteWindows`)."""
-    n_val = int(n_tokens * config.val_fraction)
-    if config.val_fraction > 0:
-        n_val = max(n_val, config.block_size + 1)
-    span = n_tokens - n_val - config.block_size - 1
-    return span // (config.stride or config.block_size) + 1 if span >= 0 else 0
+    n_train = n_tokens - val_token_count(n_tokens, config.val_fraction, config.block_size)
+    return window_count(n_train, config.block_size, config.stride or config.block_size)
 
 
 def too_few_windows(config: DataConfig, windows: int, world: int) -> Optional[str]:
