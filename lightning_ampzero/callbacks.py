@@ -313,7 +313,8 @@ class MemoryReport(Callback):
             offload = getattr(config, "offload", None)
             return estimate(size, _stage(trainer), offload_option(offload) if offload is not None else "none",
                             gpus_per_node=max(1, trainer.world_size // nodes), nodes=nodes, precision=precision,
-                            optimizer=self.optimizer or _infer_optimizer(trainer), zero=zero, buffers=offload)
+                            optimizer=self.optimizer or _infer_optimizer(trainer), zero=zero, buffers=offload,
+                            accelerator="cpu" if trainer.strategy.root_device.type == "cpu" else "gpu")
         except ValueError:
             return None
 

@@ -263,7 +263,8 @@ class Estimate:
     gradient bucket copies (stage 0). ``deepspeed_gpu`` / ``deepspeed_cpu`` are DeepSpeed's
     estimator figures for the same stage and offload, ``None`` where it has none (stages 0-1, NVMe).
     ``nvme_read`` / ``nvme_written``: bytes each rank reads from / writes to its NVMe swap files per
-    optimizer step with one micro-batch (:func:`nvme_traffic`).
+    optimizer step with one micro-batch (:func:`nvme_traffic`). ``accelerator``: what :func:`estimate`
+    was told the ranks run on ("cpu": the "GPU" figures are the ranks' host memory).
     """
 
     stage: int
@@ -278,6 +279,7 @@ class Estimate:
     deepspeed_cpu: Optional[int] = None
     nvme_read: int = 0
     nvme_written: int = 0
+    accelerator: str = "gpu"
 
     @property
     def gpu(self) -> int:
@@ -375,6 +377,7 @@ def estimate(
     zero_init: bool = True,
     additional_buffer_factor: float = 1.5,
     buffers: Optional[OffloadConfig] = None,
+    accelerator: str = "gpu",
 ) -> Estimate:
     """Model-state bytes per GPU and per node for one stage and offload option.
 
@@ -412,9 +415,19 @@ def estimate(
       device, and our stage 3 partitioned as it is built): an fp32 copy (4Ψ) per process at start-up.
       The CPU figure is the larger of that and the steady state, times GPUs per node.
 
+    * ``accelerator="cpu"`` (no GPU; the "GPU" columns are the rank's own memory, on the host):
+      the host step reads the rank's own fp32 ``.grad`` (offload/optimizer.py ``_host_grad`` copies
+      nothing), so the host figure has no gradient copy ((S + 4)·Ψ/N) and the gradient shard stays
+      in ``gpu_grads``, where the rank holds it. ``params+optimizer=cpu`` swaps the parameter shards to
+      a file on tmpfs (offload/setup.py): host memory, counted in ``cpu`` (4Ψ/N) with the pool the
+      shards are read into (``buffers``), as the run's memory report measures them.
+
     ``additional_buffer_factor`` only affects DeepSpeed's figures (ours are not padded).
     """
     _check_options(stage, offload)
+    if accelerator not in ("gpu", "cpu"):
+        raise ValueError(f"accelerator={accelerator!r} is not valid. Allowed values: gpu, cpu.")
+    on_cpu = accelerator == "cpu"
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not valid. Allowed values: {', '.join(PRECISIONS)}.")
     if optimizer not in OPTIMIZERS:
@@ -441,7 +454,8 @@ def estimate(
 
     shard = psi // n_ranks
     gpu_params, gpu_grads, gpu_opt = base.params, base.grads, base.optimizer
-    host = (states + 2 * FP32) * shard  # states + fp32 master + fp32 gradient shard for the CPU step
+    # states + fp32 master (+ the fp32 gradient shard staged for the CPU step, on an accelerator)
+    host = (states + (1 if on_cpu else 2) * FP32) * shard
     cpu_rank = nvme_rank = 0
     kind, _, device = offload.partition("=")
     grads = _grads_swapped(stage, offload, buffers)
@@ -450,11 +464,18 @@ def estimate(
         # step copies the updated master back into it); stage 3 counts it with the parameters.
         gpu_opt = FP32 * shard if stage in (1, 2) else 0
         if kind == "params+optimizer":
-            gpu_params = gpu_grads = 0
+            # On a CPU accelerator FSDP2 has no host to move the gradient shards to: they stay the rank's.
+            gpu_params, gpu_grads = 0, (base.grads if on_cpu and not grads else 0)
         if device == "cpu":
             cpu_rank = host
+            if on_cpu and kind == "params+optimizer":
+                # offload/setup.py: the shards' swap file on tmpfs, and the pool they are read into
+                pool = nvme_buffer_bytes(size, n_ranks, buffers)[0] if buffers is not None else 0
+                cpu_rank += FP32 * shard + pool
         else:
-            cpu_rank, nvme_rank = FP32 * shard, host - FP32 * shard
+            # the gradient shard the host step reads: staged on the host from an accelerator; a CPU
+            # accelerator's own (gpu_grads)
+            cpu_rank, nvme_rank = (0 if on_cpu else FP32 * shard), (states + FP32) * shard
             if kind == "params+optimizer":
                 nvme_rank += FP32 * shard  # offload/params.py: the fp32 shards' swap file
             if buffers is not None:
@@ -462,7 +483,7 @@ def estimate(
                                                   grads=grads))
         if grads:
             # offload/grads.py: the shard to its file; one unit's reduced shard held until written
-            cpu_rank += FP32 * (max(_unit_shards(size, n_ranks)) - shard)
+            cpu_rank += FP32 * (max(_unit_shards(size, n_ranks)) - (0 if on_cpu else shard))
             nvme_rank += FP32 * shard
             if device == "cpu" and buffers is not None:
                 cpu_rank += FP32 * min(int(buffers.sub_group_size), shard)  # the step's gradient tile
@@ -478,7 +499,7 @@ def estimate(
     read, written = nvme_traffic(size, offload, n_ranks, zero, grads=grads)
     return Estimate(stage, offload, gpu_params, gpu_grads, gpu_opt, working, cpu, nvme,
                     deepspeed_gpu=ds[1] if ds else None, deepspeed_cpu=ds[0] if ds else None,
-                    nvme_read=read, nvme_written=written)
+                    nvme_read=read, nvme_written=written, accelerator=accelerator)
 
 
 def _unit_shards(size: ModelSize, n_ranks: int) -> list[int]:

@@ -124,7 +124,7 @@ def measure_model_state(module: nn.Module, optimizers: Iterable[torch.optim.Opti
     Offload (lightning_ampzero.offload) is not counted where it put the states: shards and gradients in
     a swap file are on the drive, and an offloading optimizer's master weights and moments are in its
     store. ``offloaded`` is the host memory the offload holds instead: the store's host copy or NVMe
-    buffers, the parameter swapper's read pool, the shards and gradient shards FSDP2's
+    buffers, the parameter swapper's read pool (and its swap file, on tmpfs), the shards and gradient shards FSDP2's
     ``CPUOffloadPolicy`` keeps on the host (what the estimate's ``cpu`` column counts).
     """
     from lightning_ampzero.offload.grads import grad_swapper
@@ -136,7 +136,7 @@ def measure_model_state(module: nn.Module, optimizers: Iterable[torch.optim.Opti
     for swapper in (swapped_params, grad_swapper(module)):
         if swapper is not None:
             seen.skip(swapper.held_tensors())
-    offloaded = swapped_params.resident_bytes() if swapped_params is not None else 0
+    offloaded = swapped_params.host_bytes() if swapped_params is not None else 0
     fsdp = _fsdp_params(module)
     covered: set[int] = set()
     for fp in fsdp:

@@ -17,7 +17,6 @@ from typing import Any, Iterable, Optional
 from lightning_ampzero.config import STAGES, OffloadConfig
 from lightning_ampzero.estimate import (
     CHECKPOINTING,
-    FP32,
     OFFLOADS,
     ActivationTrace,
     Estimate,
@@ -58,16 +57,17 @@ def host_on_cpu(states: Estimate, size: ModelSize, *, gpus_per_node: int = 1, no
 
     [Note: CPU accelerator] Without a GPU the "GPU" figures are host memory too: a rank's
     parameters, gradients, optimizer states, working set and ``activations`` share the node's RAM
-    with what the offload keeps on the host. The gradient shard a host optimizer steps with is the
-    rank's own fp32 ``.grad`` there (offload/optimizer.py ``_host_grad`` copies nothing on CPU), so
-    it is counted once (``Estimate.cpu`` counts it as offloaded, ``gpu_grads`` as on the device).
-    Offloading to ``cpu`` frees nothing on such a machine (parameters "offloaded to cpu" are swapped
-    to tmpfs, RAM as well); only NVMe does. benchmarks/bench_infinity.py reports this figure
-    against the peak RSS it measures (results/infinity_cpu.md).
+    with what the offload keeps on the host. ``states`` must come from
+    ``estimate(..., accelerator="cpu")``, which counts each tensor once: the gradient shard a host
+    optimizer steps with is the rank's own fp32 ``.grad`` there (offload/optimizer.py ``_host_grad``
+    copies nothing on CPU). Offloading to ``cpu`` frees nothing on such a machine (parameters
+    "offloaded to cpu" are swapped to tmpfs, RAM as well); only NVMe does.
+    benchmarks/bench_infinity.py reports this figure against the peak RSS it measures
+    (results/infinity_cpu.md).
     """
-    shard = size.numel // (gpus_per_node * nodes)
-    shared = min(states.gpu_grads, FP32 * shard) if states.offload != "none" else 0
-    per_rank = states.gpu + activations - shared
+    if states.accelerator != "cpu":
+        raise ValueError("host_on_cpu needs an estimate made for a CPU accelerator: estimate(..., accelerator='cpu').")
+    per_rank = states.gpu + activations
     node = gpus_per_node * per_rank + states.cpu
     return node // gpus_per_node, node
 
@@ -220,7 +220,8 @@ def plan(
         raise ValueError(f"no valid (stage, offload) combination among stages {stages} and offloads {offloads}:"
                          " offload needs stage >= 1, parameter offload stage 3.")
     candidates = []
-    states_of = {(stage, offload): estimate(size, stage, offload, **estimate_kwargs) for stage, offload in combos}
+    states_of = {(stage, offload): estimate(size, stage, offload, accelerator=accelerator, **estimate_kwargs)
+                 for stage, offload in combos}
     order = sorted(((s, o, c) for s, o in combos for c in checkpointing), key=lambda soc: _preference(*soc))
     for stage, offload, ckpt in order:
         states = states_of[(stage, offload)]

@@ -348,7 +348,8 @@ def _estimate(argv: Sequence[str]) -> int:
     buffers = _buffers(args, p)
     size, acts = _model(args, p, zero)
     kw = dict(gpus_per_node=args.gpus_per_node, nodes=args.nodes, precision=args.precision, optimizer=args.optimizer,
-              zero=zero, zero_init=args.zero_init, additional_buffer_factor=args.cpu_factor, buffers=buffers)
+              zero=zero, zero_init=args.zero_init, additional_buffer_factor=args.cpu_factor, buffers=buffers,
+              accelerator=args.accelerator)
     try:
         rows = estimate_all(size, **kw)
     except ValueError as e:
@@ -377,8 +378,9 @@ def _estimate(argv: Sequence[str]) -> int:
     t = Table(title=title, title_justify="left")
     cols = ["stage", "offload", "GPU params", "GPU grads", "GPU optim", "GPU working", "GPU total",
             "CPU / node", "NVMe / node", "DeepSpeed GPU", f"DeepSpeed CPU (zero_init={int(args.zero_init)})"]
-    if on_cpu:  # DeepSpeed's estimator is for GPUs: its columns give way to the host totals
-        cols[7:] = ["host / rank", "host / node", "CPU / node", "NVMe / node"]
+    if on_cpu:  # no GPU: a rank's own columns; DeepSpeed's estimator is for GPUs: its give way to host totals
+        cols[2:7] = ["rank params", "rank grads", "rank optim", "rank working", "rank total"]
+        cols[7:] = ["host / rank", "host / node", "offloaded / node", "NVMe / node"]
     for col in cols:
         t.add_column(col, justify="left" if col in ("stage", "offload") else "right", no_wrap=col == "offload")
     for i, r in enumerate(rows):
@@ -402,8 +404,9 @@ def _estimate(argv: Sequence[str]) -> int:
     console.print(n)
     if acts is not None:
         seq = args.seq_len if args.seq_len is not None else args.block_size
-        a = Table(title=f"Activations per GPU (micro-batch {args.micro_batch} x {seq} tokens, traced on the meta device)",
-                  title_justify="left")
+        per = "rank" if on_cpu else "GPU"
+        a = Table(title=f"Activations per {per} (micro-batch {args.micro_batch} x {seq} tokens, traced on the meta"
+                        " device)", title_justify="left")
         for col in ("checkpointing", "saved for backward", "what is kept"):
             a.add_column(col, justify="right" if col == "saved for backward" else "left")
         what = {"none": "everything the forward saves",
@@ -414,13 +417,16 @@ def _estimate(argv: Sequence[str]) -> int:
     else:
         console.print(getattr(args, "no_activations", "Activations: not estimated from counts; use --model or"
                                                          " --hf-config to trace them on the meta device."))
-    console.print("GPU = per GPU; CPU and NVMe = per node. Working = gathered parameters and unsharded gradients of the"
-                  " units in use (stages 2-3), DDP gradient buckets (stage 0). CPU includes the NVMe swap buffers"
-                  " (--offload-config). DeepSpeed has no estimator for stages 0-1 or NVMe ('-').")
     if on_cpu:
-        console.print("--accelerator cpu: the GPU columns are host memory too; host = GPU total + CPU, the gradient"
-                      " shard counted once, activations not included (docs/estimator.md). DeepSpeed's figures (for"
-                      " GPUs) are in --json.")
+        console.print("--accelerator cpu: rank = one CPU process's model states; offloaded = what the offload holds"
+                      " in host memory per node (its tmpfs swap files and NVMe swap buffers included); host = rank"
+                      " total + offloaded, each tensor counted once, activations not included (docs/estimator.md)."
+                      " Working = gathered parameters and unsharded gradients of the units in use (stages 2-3), DDP"
+                      " gradient buckets (stage 0). DeepSpeed's figures (for GPUs) are in --json.")
+    else:
+        console.print("GPU = per GPU; CPU and NVMe = per node. Working = gathered parameters and unsharded gradients"
+                      " of the units in use (stages 2-3), DDP gradient buckets (stage 0). CPU includes the NVMe swap"
+                      " buffers (--offload-config). DeepSpeed has no estimator for stages 0-1 or NVMe ('-').")
     return 0
 
 

@@ -62,6 +62,7 @@ from lightning_ampzero.offload.store import (
     _human,
     create_swap_file,
     failure_reason,
+    in_memory_filesystem,
     pread_all,
     pwrite_all,
     round_up,
@@ -199,6 +200,8 @@ class ParamSwapper:
         self.dir, self.path, self._fd = create_swap_file(root, "params", rank, self.file_bytes, purpose=purpose,
                                                          what="this rank's parameter shards")
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
+        # offload_param="cpu" on a CPU accelerator swaps to /dev/shm: that file is host memory too
+        self.file_in_memory = in_memory_filesystem(self.dir)
         self._broken: Optional[str] = None
         self._unlinked = False
         self.bytes_read = 0
@@ -497,6 +500,10 @@ class ParamSwapper:
     def resident_bytes(self) -> int:
         """Host memory the pool can hold (allocated lazily: what reads have filled counts in RSS)."""
         return self.buffer_count * self.buffer_bytes
+
+    def host_bytes(self) -> int:
+        """Host memory this swapper holds: the pool, and the swap file where it is on tmpfs."""
+        return self.resident_bytes() + (self.file_bytes if self.file_in_memory else 0)
 
     def held_tensors(self) -> list[Tensor]:
         """Tensors whose storages are this swapper's, not the model's: the file's map (on the drive, paged

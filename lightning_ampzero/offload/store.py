@@ -221,6 +221,26 @@ def check_nvme_dir(path: Path, needed: int, what: str = "") -> None:
         )
 
 
+def in_memory_filesystem(path: Path) -> bool:
+    """Whether ``path`` is on tmpfs or ramfs (a swap file there is host memory, not a drive's space):
+    the file system of the longest mount point above it in /proc/self/mounts; False where unknown."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    target, best, kind = os.path.realpath(path), "", ""
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        # /proc/mounts escapes spaces in mount points as \040
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind in ("tmpfs", "ramfs")
+
+
 def round_up(n: int, to: int) -> int:
     """``n`` rounded up to a multiple of ``to`` (swap-file layouts: alignment, pages)."""
     return (n + to - 1) // to * to
