@@ -484,11 +484,11 @@ def render_plan(result: Plan, size: ModelSize, args: argparse.Namespace, console
         console.print("[yellow]Activations not included (counts given): use --model to trace them.[/yellow]")
     bw = result.nvme_bandwidth
     t = Table(title="ampzero-estimate plan", title_justify="left",
-              caption="NVMe read / written: swap-file bytes per optimizer step and rank, one micro-batch"
-                      " (estimate.nvme_traffic); I/O s: the node's bytes (all its ranks share the drive) over the"
-                      " drive's bandwidth, a lower bound on the step" if bw else
-                      "NVMe read / written: swap-file bytes per optimizer step and rank, one micro-batch"
-                      " (estimate.nvme_traffic); give --nvme-bandwidth for the I/O seconds per step",
+              caption="#: place in the preference order (fitting candidates after the chosen one beyond --show"
+                      " are not listed). NVMe read / written: swap-file bytes per optimizer step and rank, one"
+                      " micro-batch (estimate.nvme_traffic); "
+                      + ("I/O s: the node's bytes (all its ranks share the drive) over the drive's bandwidth, a lower"
+                         " bound on the step" if bw else "give --nvme-bandwidth for the I/O seconds per step"),
               caption_justify="left")
     cols = ["#", "stage", "offload", "checkpointing", "host / rank" if on_cpu else "GPU need",
             "host / node" if on_cpu else "CPU / node", "NVMe / node", "NVMe read / written"]
