@@ -733,3 +733,14 @@ def test_a_safe_linear_run_with_autocast_off_at_stage3_says_it_computed_in_bf16(
                 assert message.startswith("blocks.0.mlp.2 (Linear) ran with torch.autocast disabled")
                 assert "class FullPrecisionLinear(nn.Linear)" in message
                 assert filename == __file__  # the line that called the Linear, in mlp_forward above
+
+
+def test_a_module_used_twice_in_one_backward_sums_its_gradients_in_fp32_at_stage_3(tmp_path):
+    # [Note: a module used twice in one backward] in zero/uses.py: stage 3 gathers the Linears in
+    # bf16 under bf16-mixed, and autograd summed their two uses' gradients in bf16. A new-user trial's
+    # GAN (D on real and fake in one loss) ended 2.1e-3 from ddp in its weights, a siamese encoder 2.0e-3.
+    from _scripts import run_json
+
+    out = run_json("two_uses.py", tmp_path / "two_uses.json", "--stages", "2,3", timeout=600)
+    assert set(out) == {f"{name}_vs_ddp_{stage}" for name in ("siamese", "gan") for stage in (2, 3)}
+    assert all(value == 0.0 for value in out.values()), out

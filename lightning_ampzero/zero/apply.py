@@ -45,6 +45,7 @@ from lightning_ampzero.zero.recover import in_step_method, reset_interrupted_ste
 from lightning_ampzero.zero.scalars import average_scalar_gradients, prepare_parameters_, scalar_parameters
 from lightning_ampzero.zero.trainable import record_requires_grad, sync_requires_grad
 from lightning_ampzero.zero.units import Unit, kept_for_reuse, plan_units, region
+from lightning_ampzero.zero.uses import sum_uses_in_fp32
 
 
 def _reshard_after_forward(cfg: ZeroConfig, numel: int) -> "bool | int":
@@ -268,6 +269,8 @@ def apply_zero(
             cast_inputs_to(module, gather[module])
     for module, dtype in gather.items():  # [Note: a safe module run with autocast off] in precision/policy.py
         warn_if_run_without_autocast(module, names.get(id(module), ""), dtype)
+    if gather:  # [Note: a module used twice in one backward] in uses.py
+        sum_uses_in_fp32(model, {sub: None for m in gather for sub in m.modules()})
     # [Note: buffer broadcast] in zero/buffers.py: running statistics as DDP keeps them.
     # Every rank of the mesh holds a replica of the buffers (FSDP2 shards parameters only).
     install_buffer_broadcast(model, mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())
