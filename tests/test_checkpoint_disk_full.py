@@ -64,6 +64,28 @@ def test_a_save_without_room_is_refused_on_every_rank_and_keeps_the_last_checkpo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
+def _directory_not_creatable(rank: int, world: int, root: str) -> str:
+    import errno
+
+    if rank == 0:  # a read-only filesystem (mount -o ro) as rank 0 meets it
+        def mkdir(self, *args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+        Path.mkdir = mkdir
+    return _save(Path(root) / "ckpts" / "last.ckpt", _state(1, 1.0))
+
+
+def test_a_directory_rank_0_cannot_create_is_said_on_every_rank_at_once(tmp_path):
+    # Rank 0's failed mkdir skipped the barrier the other ranks waited in: the save hung until the
+    # watchdog (300 s) named two collectives, never the read-only filesystem (a new-user trial).
+    results = spawn(_directory_not_creatable, world_size=2, args=(str(tmp_path),), timeout=60)
+    for rank, message in enumerate(results):
+        assert message.startswith(f"Cannot create the checkpoint directory {tmp_path / 'ckpts'}"), message
+        assert ("Read-only file system" if rank == 0 else "rank 0 could not") in message
+        assert "ModelCheckpoint(dirpath=...)" in message
+    assert list(tmp_path.iterdir()) == []
+
+
 def _disk_fills_during_the_save(rank: int, world: int, root: str) -> tuple[str, str, float]:
     from lightning_ampzero.checkpoint import sharded
 

@@ -195,6 +195,17 @@ def test_a_single_file_checkpoint_of_another_strategy_says_how_to_start_from_its
     with pytest.raises(ValueError, match="It is a single file, as Lightning's other strategies write.*load them before"
                                          r" trainer\.fit"):
         _check_loadable(ddp)
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save({"state_dict": {}}, legacy, _use_new_zipfile_serialization=False)
+    with pytest.raises(ValueError, match="It is a single file, as Lightning's other strategies write"):
+        _check_loadable(legacy)
+    # not a checkpoint at all (a trial's random bytes were told to torch.load them, which failed)
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(bytes(range(7, 256)) * 20)
+    with pytest.raises(ValueError, match="It is not a checkpoint of any kind either: neither a torch.save file nor a"
+                                         " safetensors file") as e:
+        _check_loadable(garbage)
+    assert "torch.load" not in str(e.value)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -74,20 +74,36 @@ def save_sharded(
 
     staging = incomplete_path(path)
     need = _checkpoint_bytes(state) + _METADATA_ALLOWANCE
+    # The directory first, decided together: a rank 0 that cannot create it (a read-only filesystem,
+    # no permission) skipped the barrier below while the others waited in it, until the watchdog
+    # ended the run 300 s later naming two collectives and not the cause (a new-user trial); and a
+    # path nothing can be written to read as "not enough disk space" (0 free under /sys).
+    failure: BaseException | None = None
+    if is_global_zero:
+        try:
+            if staging.exists():
+                shutil.rmtree(staging)  # left by an earlier interrupted save of the same name
+            staging.mkdir(parents=True)
+        except OSError as e:
+            failure = e
+    if _max_over_ranks(int(failure is not None)):
+        said = (f"{type(failure).__name__}: {_first_line(failure)}" if failure is not None
+                else "rank 0 could not; its own error says why")
+        raise CheckpointSaveError(
+            f"Cannot create the checkpoint directory {staging} ({said}). Nothing was written{_kept(path)}. Save"
+            " where this process can write: ModelCheckpoint(dirpath=...) or Trainer(default_root_dir=...)."
+        ) from failure
     free = _free_bytes(staging)
     if _max_over_ranks(int(free < need)):
+        if is_global_zero:
+            shutil.rmtree(staging, ignore_errors=True)
         raise CheckpointSaveError(
             f"Not enough disk space to save the checkpoint {path}: it needs about {format_bytes(need)} and"
             f" {format_bytes(free)} is free on this rank's filesystem (a rank's may be less). Nothing was written"
             f"{_kept(path)}. Free some space, or save elsewhere / less often (ModelCheckpoint(dirpath=...,"
             " every_n_train_steps=...), save_top_k)."
         )
-    failure: BaseException | None = None
     try:
-        if is_global_zero:
-            if staging.exists():
-                shutil.rmtree(staging)  # left by an earlier interrupted save of the same name
-            staging.mkdir(parents=True)
         barrier()
         # [Note: replicated tensors saved from rank 0] A tensor every rank holds whole (a buffer, a
         # 0-dim parameter, every tensor at stage 0) is written once; DCP's default spreads these over
@@ -216,6 +232,18 @@ def _replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old)
 
 
+def _readable_weights_file(path: Path) -> bool:
+    """Whether ``path`` starts as a file of saved tensors does: torch.save's zip archive or legacy pickle,
+    or safetensors' header (8-byte length, then a JSON object)."""
+    import zipfile
+
+    if zipfile.is_zipfile(path):
+        return True
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return head[:1] == b"\x80" or (len(head) == 9 and head[8:9] == b"{")
+
+
 def _check_loadable(path: Path) -> None:
     if path.name.endswith(INCOMPLETE_SUFFIX):
         raise ValueError(
@@ -231,7 +259,12 @@ def _check_loadable(path: Path) -> None:
         raise FileNotFoundError(f"{path} does not exist.")
     if not is_sharded_checkpoint(path):
         hint = ""
-        if path.is_file():  # a checkpoint of another strategy (ddp, deepspeed's single file, ...)
+        if path.is_file() and not _readable_weights_file(path):
+            # (a trial's file of random bytes was told how to load it with torch.load, which then failed)
+            hint = (" It is not a checkpoint of any kind either: neither a torch.save file nor a safetensors file"
+                    " (a truncated or corrupt copy, or another file given by mistake). Pass a checkpoint"
+                    " directory this strategy wrote, or a complete copy of the file.")
+        elif path.is_file():  # a checkpoint of another strategy (ddp, deepspeed's single file, ...)
             hint = (" It is a single file, as Lightning's other strategies write: trainer.validate / test / predict read"
                     " its weights with this strategy, trainer.fit does not resume from it. To train on from its"
                     " weights, build the model in __init__, load them before trainer.fit"
