@@ -451,7 +451,7 @@ class Watchdog:
             lines.append(f"Rank {r} ended on an error of its own in step {after[r].step}: {after[r].waiting} (its"
                          " traceback is in its own output).")
         if gone:
-            lines.append("; ".join(f"Rank {r} {state}" + (f", last seen in {after[r].describe()}" if r in after else "")
+            lines.append("; ".join(f"Rank {r} {state}" + (self._last_seen(after[r]) if r in after else "")
                                    for r, state in sorted(gone.items()))
                          + ". It ended without an error of its own: stopped by a signal (Ctrl-C, kill, a scheduler's"
                          " cancel, the OOM killer) or crashed outside Python; its log, or the system log (dmesg),"
@@ -461,6 +461,14 @@ class Watchdog:
                          " process outside this run).")
         lines.append("The transport's error names a host:port; the ranks above are where to look.")
         return "\n".join(lines)
+
+    def _last_seen(self, record: Record) -> str:
+        # A rank reports once a beat: one killed within a beat of its last report got further than it
+        # says (a trial's rank killed in step 3 read "last seen in step 0, setup").
+        if record.step < self.step:
+            return (f", whose last report (one a beat, {self.poll_s:g} s) was from {record.describe()}: it got"
+                    f" further since, as far as step {self.step} at least")
+        return f", last seen in {record.describe()}"
 
     def _local_peers(self) -> dict[int, int]:
         """Process ids of the other ranks on this host (from their identity keys)."""

@@ -219,10 +219,15 @@ def test_a_killed_peer_on_this_host_is_seen_at_once_and_one_elsewhere_by_its_bea
     dogs[3]._stop.set()
     time.sleep(0.1)
     message = dogs[0].explain_lost_peer()
+    # This rank is in step 3: rank 3's last report (one a beat) is older than where it got to
+    dogs[0].mark(3, "training_step")
+    later = dogs[0].explain_lost_peer()
     for d in dogs:
         d.stop()
     assert "Rank 3 not responding, last seen in step 0, setup" in message
     assert "Rank 1" not in message and "Rank 2" not in message
+    assert ("Rank 3 not responding, whose last report (one a beat, 0.05 s) was from step 0, setup, in no collective:"
+            " it got further since, as far as step 3 at least") in later, later
 
 
 def _state(pid: int) -> str:
