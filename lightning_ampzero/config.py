@@ -98,6 +98,8 @@ class ZeroConfig(FromDict, section="zero"):
 
     def __post_init__(self) -> None:
         owner = "zero"
+        if isinstance(self.stage, float) and self.stage in STAGES:  # 3.0 (a JSON number) is stage 3, an int
+            object.__setattr__(self, "stage", int(self.stage))
         if self.stage not in STAGES or isinstance(self.stage, bool):
             raise ValueError(
                 f"zero.stage={self.stage!r} is not a ZeRO stage. Allowed values: 0 (DDP), 1 (optimizer"

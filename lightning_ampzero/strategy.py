@@ -499,6 +499,12 @@ class AmpZeroStrategy(ParallelStrategy):
             rank_zero_warn(note)
         module = self.model
         self._ddp_interrupted = False  # a new fit wraps a new DDP
+        params = list(module.parameters())
+        if trainer.state.fn == TrainerFn.FITTING and params and not any(p.requires_grad for p in params):
+            # (a trial's all-frozen model trained silently, changing nothing; Lightning's ddp refuses it)
+            rank_zero_warn(f"No parameter of the model requires a gradient ({len(params)} parameters, all frozen):"
+                           " fit() will change no weight. Unfreeze what should train (requires_grad_(True)), or"
+                           " use trainer.validate / predict to only run the model.")
         from torch.distributed.fsdp import FSDPModule
 
         if not isinstance(module, FSDPModule) and trainer.state.fn == TrainerFn.FITTING:

@@ -178,6 +178,13 @@ def check_machine(apps: Sequence[TrainAppConfig]) -> None:
                     f"trainer.accelerator={app.trainer.accelerator!r}, but this machine has no usable CUDA device"
                     f" (torch {torch.__version__}, {built}). Use trainer=cpu, or run on a machine with a GPU."
                 )
+        on_cpu = app.trainer.accelerator == "cpu" or (app.trainer.accelerator == "auto" and not _cuda_available())
+        if on_cpu:
+            from lightning_ampzero.offload.setup import cpu_param_offload_problem
+
+            problem = cpu_param_offload_problem(app.offload)
+            if problem:  # else one traceback per rank after the processes start (a trial's converted config)
+                raise ConfigError(problem)
         from lightning_ampzero.data.text import too_few_windows, train_windows
 
         file = app.data.file
@@ -187,6 +194,12 @@ def check_machine(apps: Sequence[TrainAppConfig]) -> None:
             too_few = too_few_windows(app.data, windows, processes_per_node(app) * app.trainer.num_nodes)
             if too_few:
                 raise ConfigError(too_few)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _abs_note(path: str) -> str:

@@ -433,3 +433,15 @@ def test_step_interval_validation_runs_across_epochs():
     kwargs = compose_typed(["trainer.val_check_interval=100"]).trainer.kwargs()
     assert kwargs["val_check_interval"] == 100 and kwargs["check_val_every_n_epoch"] is None
     assert "check_val_every_n_epoch" not in compose_typed(["trainer.val_check_interval=0.5"]).trainer.kwargs()
+
+
+def test_a_whole_float_stage_is_that_stage_as_an_int():
+    # A trial: ZeroConfig(stage=3.0) was kept as the float 3.0 (it compares equal to 3), where '3' and
+    # 2.5 are refused; code that formats or indexes by the stage then saw a float.
+    from lightning_ampzero.config import ZeroConfig
+
+    stage = ZeroConfig(stage=3.0).stage
+    assert stage == 3 and type(stage) is int
+    for bad in (2.5, "3", True):
+        with pytest.raises(ValueError, match="is not a ZeRO stage"):
+            ZeroConfig(stage=bad)

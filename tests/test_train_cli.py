@@ -268,3 +268,13 @@ def test_a_signal_to_the_job_stops_its_workers_with_one_line(tmp_path, name):
     if name == "SIGTERM":  # every rank stops at the same batch; a Ctrl-C reaches each wherever it is (torchrun's too)
         assert "Traceback" not in err, err[-3000:]
     assert _workers_of(job) == []
+
+
+def test_parameter_offload_to_cpu_without_optimizer_offload_on_cpu_is_refused_before_any_process(tmp_path):
+    # A trial's converted ZeRO-3 config (offload_param cpu, no offload_optimizer): valid on a GPU, on
+    # the CPU accelerator it failed in every worker, one traceback per rank.
+    proc = _run([*QUICK, "strategy=zero3", "offload.offload_param=cpu", "hydra.run.dir=job"], tmp_path)
+    assert proc.returncode == 2, _output(proc)
+    assert "offload.offload_param='cpu' with accelerator='cpu'" in proc.stderr
+    assert "needs offload_optimizer='cpu' or 'nvme'" in proc.stderr and "Nothing was started." in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "job").exists()

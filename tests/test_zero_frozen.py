@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torch import nn
+
 from _spawn import spawn
 
 pytest.importorskip("peft")
@@ -208,3 +210,32 @@ def test_lora_at_stage3_bf16_mixed_trains_as_ddp_bit_for_bit():
         assert params.keys() == ddp_params.keys() and any("lora_A" in n for n in params)
         for name, p in params.items():
             assert torch.equal(p, ddp_params[name]), name
+
+
+def test_fitting_a_model_with_every_parameter_frozen_warns(tmp_path):
+    # A trial's all-frozen model trained silently and changed nothing (Lightning's ddp refuses it).
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    class Frozen(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 1).requires_grad_(False)
+            self.bias = nn.Parameter(torch.zeros(()), requires_grad=False)
+
+        def training_step(self, batch, i):
+            return self.layer(batch[0]).sum() + self.bias
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=AmpZeroStrategy(stage=2), max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"No parameter of the model requires a gradient \(3 parameters, all frozen\)"):
+        try:
+            trainer.fit(Frozen(), DataLoader(TensorDataset(torch.randn(4, 4)), batch_size=2))
+        except Exception:  # noqa: BLE001 - what the loss of no gradient does next is not this test's concern
+            pass

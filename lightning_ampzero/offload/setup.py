@@ -123,6 +123,15 @@ def swap_gradients(model: torch.nn.Module, config: OffloadConfig, device: torch.
     return apply_grad_offload(model, nvme_dir, rank=rank)
 
 
+def cpu_param_offload_problem(config: OffloadConfig) -> Optional[str]:
+    """Why ``config`` cannot run on a CPU accelerator, or None (ampzero-train's pre-flight asks too)."""
+    if config.offload_param == "cpu" and config.offload_optimizer == "none":
+        return ("offload.offload_param='cpu' with accelerator='cpu' swaps the parameter shards to tmpfs (they are"
+                " in host memory already), which needs offload_optimizer='cpu' or 'nvme' (the host step writes the"
+                " updated parameters into the swap file). Set offload_optimizer, or offload_param='none'.")
+    return None
+
+
 def _swap_parameter_shards(model: torch.nn.Module, config: OffloadConfig, device: torch.device, *,
                            nvme_dir: Optional[Path], rank: int, warn: Callable[[str], None]) -> Any:
     from lightning_ampzero.offload.params import apply_param_offload, param_swapper
@@ -136,12 +145,9 @@ def _swap_parameter_shards(model: torch.nn.Module, config: OffloadConfig, device
         root, purpose = nvme_dir, "offload.offload_param='nvme'"
         assert root is not None, "resolve_nvme_dir gives a directory for offload_param='nvme'"
     else:
-        if config.offload_optimizer == "none":
-            raise ValueError(
-                "offload.offload_param='cpu' with accelerator='cpu' swaps the parameter shards to tmpfs (they are"
-                " in host memory already), which needs offload_optimizer='cpu' or 'nvme' (the host step writes the"
-                " updated parameters into the swap file). Set offload_optimizer, or offload_param='none'."
-            )
+        problem = cpu_param_offload_problem(config)
+        if problem:
+            raise ValueError(problem)
         if not TMPFS.is_dir():
             raise ValueError(
                 f"offload.offload_param='cpu' with accelerator='cpu' swaps the parameter shards to tmpfs at {TMPFS},"
