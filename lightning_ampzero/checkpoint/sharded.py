@@ -97,6 +97,7 @@ def save_sharded(
     if _max_over_ranks(int(free < need)):
         if is_global_zero:
             shutil.rmtree(staging, ignore_errors=True)
+        barrier()  # no rank goes on (to look for the checkpoint, say) before the empty directory is gone
         raise CheckpointSaveError(
             f"Not enough disk space to save the checkpoint {path}: it needs about {format_bytes(need)} and"
             f" {format_bytes(free)} is free on this rank's filesystem (a rank's may be less). Nothing was written"
