@@ -51,8 +51,7 @@ def _preference(stage: int, offload: str, checkpointing: str) -> tuple[int, int,
 ACCELERATORS = ("gpu", "cpu")
 
 
-def host_on_cpu(states: Estimate, size: ModelSize, *, gpus_per_node: int = 1, nodes: int = 1,
-                activations: int = 0) -> tuple[int, int]:
+def host_on_cpu(states: Estimate, *, gpus_per_node: int = 1, activations: int = 0) -> tuple[int, int]:
     """Host bytes (per rank, per node) of one configuration trained on ``accelerator="cpu"``.
 
     [Note: CPU accelerator] Without a GPU the "GPU" figures are host memory too: a rank's
@@ -230,8 +229,7 @@ def plan(
         cpu, host_rank = states.cpu, None
         reasons = []
         if on_cpu:
-            host_rank, cpu = host_on_cpu(states, size, gpus_per_node=per_node, nodes=estimate_kwargs.get("nodes", 1),
-                                         activations=act or 0)
+            host_rank, cpu = host_on_cpu(states, gpus_per_node=per_node, activations=act or 0)
             if cpu > cpu_budget:
                 reasons.append(f"host needs {format_bytes(cpu)} per node > {format_bytes(cpu_budget)}")
         else:

@@ -113,12 +113,12 @@ def test_host_on_cpu_counts_the_gradient_shard_once():
     # device" and 4Ψ/N (the gradient shard) on the host: the same tensor without a GPU
     e = estimate(SIZE, 3, "optimizer=nvme", gpus_per_node=N, zero=NO_PREFETCH, accelerator="cpu")
     assert (e.gpu_grads, e.cpu) == (4 * PSI // N, 0)  # the shard is the rank's .grad, not a host copy
-    assert host_on_cpu(e, SIZE, gpus_per_node=N) == (8 * PSI // N + 12 * L, N * (8 * PSI // N + 12 * L))
+    assert host_on_cpu(e, gpus_per_node=N) == (8 * PSI // N + 12 * L, N * (8 * PSI // N + 12 * L))
     e = estimate(SIZE, 3, "params+optimizer=nvme", gpus_per_node=N, zero=NO_PREFETCH, accelerator="cpu")
-    assert host_on_cpu(e, SIZE, gpus_per_node=N, activations=5) == (4 * PSI // N + 12 * L + 5,
+    assert host_on_cpu(e, gpus_per_node=N, activations=5) == (4 * PSI // N + 12 * L + 5,
                                                                      N * (4 * PSI // N + 12 * L + 5))
     e = estimate(SIZE, 3, "none", gpus_per_node=N, zero=NO_PREFETCH, accelerator="cpu")
-    assert host_on_cpu(e, SIZE, gpus_per_node=N)[0] == 16 * PSI // N + 12 * L
+    assert host_on_cpu(e, gpus_per_node=N)[0] == 16 * PSI // N + 12 * L
     # optimizer=cpu: master + moments on the host (12Ψ/N), the gradient once, in the rank's grads
     e = estimate(SIZE, 3, "optimizer=cpu", gpus_per_node=N, zero=NO_PREFETCH, accelerator="cpu")
     assert (e.gpu_grads, e.cpu) == (4 * PSI // N, N * 12 * PSI // N)
@@ -126,7 +126,7 @@ def test_host_on_cpu_counts_the_gradient_shard_once():
     e = estimate(SIZE, 3, "params+optimizer=cpu", gpus_per_node=N, zero=NO_PREFETCH, accelerator="cpu")
     assert (e.gpu_params, e.gpu_grads, e.cpu) == (0, 4 * PSI // N, N * 16 * PSI // N)
     with pytest.raises(ValueError, match="accelerator='cpu'"):
-        host_on_cpu(estimate(SIZE, 3, "none", gpus_per_node=N, zero=NO_PREFETCH), SIZE, gpus_per_node=N)
+        host_on_cpu(estimate(SIZE, 3, "none", gpus_per_node=N, zero=NO_PREFETCH), gpus_per_node=N)
 
 
 def test_plan_on_24GiB_cpu_machine_picks_infinity(bench):

@@ -355,7 +355,7 @@ def _estimate(argv: Sequence[str]) -> int:
     except ValueError as e:
         p.error(str(e))
     on_cpu = args.accelerator == "cpu"
-    hosts = [host_on_cpu(r, size, gpus_per_node=args.gpus_per_node, nodes=args.nodes) for r in rows] if on_cpu else None
+    hosts = [host_on_cpu(r, gpus_per_node=args.gpus_per_node) for r in rows] if on_cpu else None
     if args.json:
         states = []
         for i, r in enumerate(rows):
