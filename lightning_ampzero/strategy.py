@@ -24,17 +24,14 @@ Order of transforms in :meth:`AmpZeroStrategy.setup` (each one a function of its
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import inspect
 import os
 import shutil
 import time
-import typing
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generator, Iterator, Mapping, Optional, Union
+from typing import Any, Generator, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
@@ -63,19 +60,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lightning_ampzero._schema import suggest
 from lightning_ampzero.checkpoint.at_exception import ExceptionSaveGate
 from lightning_ampzero.checkpoint.sharded import load_full_file, load_sharded, save_sharded
 from lightning_ampzero.activation import apply_activation_checkpointing
-from lightning_ampzero.config import (
-    ActivationCheckpointingConfig,
-    AmpZeroConfig,
-    CompileConfig,
-    OffloadConfig,
-    PrecisionConfig,
-    ZeroConfig,
-    stage0_bucket_mb,
-)
+from lightning_ampzero.config import AmpZeroConfig, stage0_bucket_mb
 from lightning_ampzero.fp8 import convert_to_fp8, fp8_optimizers
 from lightning_ampzero.fp8.convert import fp8_device_note
 from lightning_ampzero.offload import setup as offload_setup
@@ -83,6 +71,7 @@ from lightning_ampzero.offload.optimizer import is_offloaded
 from lightning_ampzero.offload.params import after_checkpoint
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
 from lightning_ampzero.host_memory import keep_freed_host_memory
+from lightning_ampzero.keywords import _flat_keywords, _keyword_signature, resolve_config  # noqa: F401 (tests)
 from lightning_ampzero.process import release_process_groups
 from lightning_ampzero.torch_compile import apply_compile
 from lightning_ampzero.hf import load_pending_pretrained, refuse_own_save_pretrained
@@ -137,137 +126,6 @@ SHARD_IN_LOSS = (
     " torch.distributed.tensor import DTensor; its gradient then equals DDP's), or compute it inside the module's"
     " forward; for an L2 penalty on the weights, the optimizer's weight_decay does it without reading them."
 )
-
-
-def _flat_keywords() -> dict[str, type]:
-    """Each keyword :func:`resolve_config` takes flat -> the config dataclass whose field it is.
-
-    The sections' field names are distinct, so ``stage=3`` can only mean ``ZeroConfig.stage``.
-    """
-    return {f.name: section for section in (AmpZeroConfig, ZeroConfig, OffloadConfig)
-            for f in dataclasses.fields(section) if f.init}
-
-
-def _nested_home(name: str) -> str:
-    """Where a keyword that is not flat lives (``communication_data_type``: the precision section), or ""."""
-    def sections(cls: type, chain: tuple) -> Iterator[tuple]:
-        for f in dataclasses.fields(cls):
-            if f.init and f.default_factory is not dataclasses.MISSING:  # a nested section (its dataclass)
-                inner = type(f.default_factory())
-                if dataclasses.is_dataclass(inner) and inner not in (ZeroConfig, OffloadConfig):
-                    yield chain + ((f.name, inner),)
-                    yield from sections(inner, chain + ((f.name, inner),))
-
-    for chain in sections(AmpZeroConfig, ()):
-        if name in {f.name for f in dataclasses.fields(chain[-1][1]) if f.init}:
-            call = f"{name}=..."
-            for field, cls in reversed(chain):
-                call = f"{field}={cls.__name__}({call})"
-            path = ".".join(field for field, _ in chain)
-            return f" It is a field of {chain[-1][1].__name__} (the `{path}` section): AmpZeroStrategy({call})."
-    return ""
-
-
-#: Trainer(precision=...) spellings Lightning still takes, as its own precision strings.
-_LIGHTNING_SPELLINGS = {"16": "16-mixed", "32": "32-true", "bf16": "bf16-mixed"}
-
-
-def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroConfig, Any]:
-    """The AmpZeroConfig for a strategy: from ours, a DeepSpeed config (path or dict), or defaults; plus overrides.
-
-    Keyword overrides name fields of :class:`AmpZeroConfig` (``precision=...``) or of
-    :class:`ZeroConfig` (``stage=3, reduce_bucket_size=5e7, ...``).
-    """
-    imported = None
-    # A keyword given as None leaves the value of `config` (or the default): a LightningCLI passes
-    # every keyword of the signature, unset ones as None ([Note: keywords a LightningCLI sees]).
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    if config is None:
-        cfg = AmpZeroConfig()
-    elif isinstance(config, AmpZeroConfig):
-        cfg = config
-    elif isinstance(config, (str, os.PathLike, Mapping)):
-        from lightning_ampzero.deepspeed import convert_deepspeed_config
-
-        imported = convert_deepspeed_config(config, stage_given="stage" in overrides)
-        cfg = imported.config
-    else:
-        raise TypeError(
-            f"config must be an AmpZeroConfig, a DeepSpeed config (dict or path to a JSON file) or None,"
-            f" got {type(config).__name__}."
-        )
-    if overrides.get("precision") is not None and not isinstance(overrides["precision"], (PrecisionConfig, Mapping)):
-        # [precision] AmpZeroStrategy(precision="16-mixed"): shorthand for the precision config's
-        # `precision`, which wins over the Trainer's flag (the way to get 16-mixed on CPU). Lightning's
-        # older spellings (precision=16, "bf16", as Trainer takes them) mean what they mean there; an
-        # int was stored unchecked and failed inside fit (a new-user trial).
-        overrides = dict(overrides)
-        overrides["precision"] = _LIGHTNING_SPELLINGS.get(str(overrides["precision"]), overrides["precision"])
-        cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, precision=overrides.pop("precision")))
-    owner = _flat_keywords()  # [offload] flat too: offload_optimizer="cpu", ...
-    unknown = [k for k in overrides if k not in owner]
-    if unknown:
-        from lightning_ampzero._deepspeed.lightning_keywords import lightning_keyword_hint
-
-        def hint(name: str) -> str:
-            ported = lightning_keyword_hint(name)  # a keyword of Lightning's DeepSpeedStrategy
-            return ' ' + ported if ported else _nested_home(name) or suggest(name, set(owner))
-
-        # Every unknown keyword at once: a port from DeepSpeedStrategy usually brings several.
-        head = (f"an unknown argument {unknown[0]!r}.{hint(unknown[0])}" if len(unknown) == 1 else
-                f"{len(unknown)} unknown arguments:" + "".join(f" {name!r}:{hint(name)}" for name in unknown))
-        raise TypeError(f"AmpZeroStrategy got {head} Arguments: config, {', '.join(sorted(set(owner) - {'zero'}))}.")
-    if overrides.get("offload_optimizer") is False:  # Lightning's DeepSpeedStrategy default: no offload
-        overrides = {**overrides, "offload_optimizer": "none"}
-    if overrides.get("offload_optimizer") is True:  # Lightning's DeepSpeedStrategy(offload_optimizer=True)
-        from lightning_ampzero._deepspeed.lightning_keywords import lightning_keyword_hint
-
-        raise ValueError(lightning_keyword_hint("offload_optimizer", True))
-    top_kw, zero_kw, offload_kw = ({k: v for k, v in overrides.items() if owner[k] is section}
-                                   for section in (AmpZeroConfig, ZeroConfig, OffloadConfig))
-    # A nested config may be given as a mapping (e.g. the registry's init params, a Hydra node), and
-    # activation_checkpointing as its mode ("full", "selective"), compile as a bool.
-    hints = typing.get_type_hints(AmpZeroConfig)
-    for name, value in list(top_kw.items()):
-        if isinstance(value, Mapping) and dataclasses.is_dataclass(hints[name]):
-            top_kw[name] = hints[name].from_dict(value)
-        elif name == "activation_checkpointing" and isinstance(value, str):
-            top_kw[name] = ActivationCheckpointingConfig(mode=value)
-        elif name == "compile" and isinstance(value, bool):
-            top_kw[name] = CompileConfig(enabled=value)  # [compile] AmpZeroStrategy(compile=True)
-    # One replace, so that cross-field checks (AmpZeroConfig.__post_init__) see the final values.
-    if zero_kw:
-        top_kw["zero"] = dataclasses.replace(top_kw.get("zero", cfg.zero), **zero_kw)
-    if offload_kw:
-        top_kw["offload"] = dataclasses.replace(top_kw.get("offload", cfg.offload), **offload_kw)
-    if top_kw:
-        cfg = dataclasses.replace(cfg, **top_kw)
-    return cfg, imported
-
-
-def _keyword_signature(init: Any) -> inspect.Signature:
-    """``init``'s signature with its ``**overrides`` spelt out as typed keywords (default None).
-
-    [Note: keywords a LightningCLI sees]
-    LightningCLI (jsonargparse) builds a strategy's options from its ``__init__`` signature, and
-    cannot see what ``**overrides`` takes: ``init_args: {stage: 3}`` or ``--trainer.strategy.stage=3``
-    stopped with "Option 'stage' is not accepted", where DeepSpeedStrategy takes ``stage=3``. So the
-    signature names each field that :func:`resolve_config` takes flat, typed from the config
-    dataclasses (a nested section also as a mapping, ``activation_checkpointing`` also as its mode,
-    ``compile`` also as a bool, ``precision`` also as a precision string). Every default is None,
-    meaning "not given": the CLI passes them all, and None must not overwrite a value of ``config``.
-    """
-    params = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    shorthand = {"precision": str, "activation_checkpointing": str, "compile": bool}
-    for name, section in _flat_keywords().items():
-        if name == "zero":  # its fields are keywords of their own
-            continue
-        hint = typing.get_type_hints(section)[name]
-        if section is AmpZeroConfig:  # a nested section: also a mapping, some also a shorthand
-            hint = Union[(hint, shorthand[name], dict)] if name in shorthand else Union[hint, dict]
-        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation=Optional[hint]))
-    return inspect.Signature(params, return_annotation=None)
 
 
 #: Seconds the strategy's launcher waits, once a child rank has ended on an error, before it kills

@@ -1011,6 +1011,40 @@ def test_no_stage_0_note_when_a_stage_is_given_beside_the_config():
         assert AmpZeroStrategy(config={"gradient_clipping": 1.0}).config.zero.stage == 0
 
 
+def test_a_keyword_that_replaces_a_value_of_the_config_is_named(monkeypatch):
+    # AmpZeroStrategy(config=<"stage": 1>, stage=3) trained at stage 3 and said nothing of the file's
+    # stage 1 (a migration trial): each replaced value is now named, with the key it came from.
+    from lightning_ampzero import keywords
+    from lightning_ampzero.config import AmpZeroConfig, ZeroConfig
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    said: list[str] = []
+    monkeypatch.setattr(keywords, "rank_zero_info", said.append)
+    ds = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 5e7, "offload_optimizer": {"device": "cpu"}},
+          "bf16": {"enabled": True}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeepSpeedConfigWarning)
+        strategy = AmpZeroStrategy(config=ds, stage=3, reduce_bucket_size=5e7, offload_optimizer="none",
+                                   precision="32-true")
+    assert strategy.stage == 3 and strategy.config.offload.offload_optimizer == "none"
+    assert said == ["AmpZeroStrategy: keywords given beside `config` replace its values:"
+                    " stage 1 -> 3 (the file's zero_optimization.stage),"
+                    " offload_optimizer 'cpu' -> 'none' (the file's zero_optimization.offload_optimizer.device),"
+                    " precision 'bf16-mixed' -> '32-true' (the file's bf16.enabled)."]
+    # reduce_bucket_size was given equal to the file's: nothing replaced, nothing said of it. A stage
+    # the file does not set (DeepSpeed's default 0) is not the file's to lose either.
+    said.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeepSpeedConfigWarning)
+        AmpZeroStrategy(config={"gradient_clipping": 1.0}, stage=3)
+    assert said == []
+    AmpZeroStrategy(config=AmpZeroConfig(zero=ZeroConfig(stage=1)), stage=2)
+    assert said == ["AmpZeroStrategy: keywords given beside `config` replace its values: stage 1 -> 2."]
+    said.clear()
+    AmpZeroStrategy(stage=2)  # no config: nothing is replaced
+    assert said == []
+
+
 def test_a_deepspeed_activation_checkpointing_section_on_a_model_without_blocks_names_the_section():
     # the error said to name block classes; the section the user never meant as "checkpoint" was the cause
     import lightning.pytorch as pl

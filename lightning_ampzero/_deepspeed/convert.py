@@ -243,6 +243,7 @@ class _Converter:
             optimizer_auto=tuple(self.optimizer_auto), notes=tuple(self.notes),
             unsupported_optimizer=self.unsupported_optimizer, unsupported_scheduler=self.unsupported_scheduler,
             auto_targets=tuple(self.auto_targets.items()), fp16_auto_loss_scaler=self.fp16_auto_loss_scaler,
+            sources=tuple((target, key) for target, (_, key) in self.values.items()),
         )
 
     def _trainer(self, trainer: dict[str, tuple[Any, str]]) -> dict[str, Any]:

@@ -81,6 +81,9 @@ class ImportedDeepSpeedConfig:
     #: ``fp16.enabled: "auto"``: the section's loss-scaler values, for a run whose precision turns out
     #: to be fp16 (:meth:`precision_config`); None when the section sets none.
     fp16_auto_loss_scaler: Optional[LossScalerConfig] = None
+    #: ``(target, key)``: the DeepSpeed key each config field was read from (``("zero.stage",
+    #: "zero_optimization.stage")``; a key that was absent says so in parentheses).
+    sources: tuple[tuple[str, str], ...] = ()
 
     def precision_config(self, precision: str, config: PrecisionConfig) -> PrecisionConfig:
         """``config`` for a run in ``precision``: the fp16 section's loss scaler where fp16 was "auto" and is on.
