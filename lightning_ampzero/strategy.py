@@ -431,9 +431,9 @@ class AmpZeroStrategy(ParallelStrategy):
         self._nvme_dir = nvme_dir
         if self.stage == 3:
             # [offload] offload_param='nvme': every shard into this rank's swap file, read back per all-gather.
-            self.param_swapper = offload_setup.swap_parameters(self.model, self.config.offload, self.root_device,
-                                                               nvme_dir=nvme_dir, rank=self.global_rank,
-                                                               warn=rank_zero_warn)
+            self.param_swapper = self._set_up_together(lambda: offload_setup.swap_parameters(
+                self.model, self.config.offload, self.root_device, nvme_dir=nvme_dir, rank=self.global_rank,
+                warn=rank_zero_warn))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
@@ -441,16 +441,29 @@ class AmpZeroStrategy(ParallelStrategy):
             # [fp8] msamp O2: Adam/AdamW -> Fp8AdamW (FP8/fp16 moments); otherwise unchanged.
             self.optimizers = fp8_optimizers(self.optimizers, self.lr_scheduler_configs, self.config.fp8)
             # [offload] master weights + Adam moments to the host / NVMe; the step runs there.
-            self.optimizers = offload_setup.wrap_optimizers(self.optimizers, self.config.offload, nvme_dir=nvme_dir,
-                                                            rank=self.global_rank, params=self.param_swapper,
-                                                            callbacks=trainer.callbacks, warn=rank_zero_warn,
-                                                            info=rank_zero_info)
+            optimizers = self.optimizers
+            self.optimizers = self._set_up_together(lambda: offload_setup.wrap_optimizers(
+                optimizers, self.config.offload, nvme_dir=nvme_dir, rank=self.global_rank, params=self.param_swapper,
+                callbacks=trainer.callbacks, warn=rank_zero_warn, info=rank_zero_info))
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device([o for o in self.optimizers if not is_offloaded(o)], self.root_device)
             self._install_sigterm_broadcast(trainer)
             # The hang detector watches the training loop ([Note: hang detection] in watchdog.py).
             self._watchdog = (trainer, start_watchdog(trainer, self.config.zero.watchdog_seconds))
+
+    def _set_up_together(self, step: Any) -> Any:
+        """``step`` (a swap-file setup), its outcome decided by every rank.
+
+        [Note: a swap setup that fails on one rank] in offload/setup.py.
+        """
+        def gather(obj: Any) -> list[Any]:
+            out: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(out, obj)
+            return out
+
+        return offload_setup.set_up_together(step, gather=gather if self.world_size > 1 else None,
+                                             ranks_on_node=self.num_processes)
 
     def _install_sigterm_broadcast(self, trainer: "pl.Trainer") -> None:
         # Lightning's per-batch SIGTERM broadcast, made asynchronous: [Note: asynchronous SIGTERM

@@ -497,3 +497,45 @@ def test_nvme_folder_after_fit(tmp_path, own_folder, new_root):
     assert not (root / "ampzero_nvme").exists() and not (tmp_path / "runs").exists()
     assert tmp_path.is_dir()
     assert mine.is_dir() and list(mine.iterdir()) == []
+
+
+def test_a_swap_file_one_rank_cannot_create_is_said_on_every_rank(tmp_path):
+    # [Note: a swap setup that fails on one rank] in offload/setup.py: two ranks sharing a drive too
+    # small for both, and the rank that failed second was the only one told why; the other met a
+    # closed connection in its next collective (gloo's and the TCP store's stack dumps, a trial).
+    import json
+
+    from _scripts import run_script
+
+    run_script("swap_fails_on_one_rank.py", "--out", str(tmp_path / "said"), "--nvme", str(tmp_path), "--rank", "1",
+               timeout=300)
+    said = [json.loads((tmp_path / f"said.{rank}.json").read_text()) for rank in (0, 1)]
+    errors = [s["error"] for s in said]
+    assert errors[0] == errors[1], errors  # the same words on both ranks
+    assert errors[0]["type"] == "NvmeOffloadError"
+    assert errors[0]["message"].startswith("rank 1 could not set up its swap files: offload.offload_param='nvme':"
+                                           " creating the swap file"), errors[0]
+    assert "out of space" in errors[0]["message"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("ampzero-")]  # no swap directory left behind
+
+
+def test_a_swap_setup_decided_together_names_the_failing_rank_and_the_shared_drive():
+    from lightning_ampzero.offload.setup import set_up_together
+    from lightning_ampzero.offload.store import NvmeOffloadError
+
+    space = "offload.nvme_path='/x' has 36.0 KiB free but the optimizer needs 489.0 KiB for this rank."
+    # This rank succeeded and rank 1 ran out of space: this rank raises rank 1's message, and the
+    # note that the node's ranks share the drive (the free space was what the others left).
+    with pytest.raises(NvmeOffloadError) as caught:
+        set_up_together(lambda: "made", gather=lambda mine: [mine, space], ranks_on_node=2)
+    assert str(caught.value).startswith(f"rank 1 could not set up its swap files: {space} The 2 ranks of a node")
+    # Every rank succeeded: the step's result.
+    assert set_up_together(lambda: "made", gather=lambda mine: [mine, None], ranks_on_node=2) == "made"
+
+    # One process: its own exception, unchanged.
+    def fails():
+        raise NvmeOffloadError(space)
+
+    with pytest.raises(NvmeOffloadError) as caught:
+        set_up_together(fails, gather=None, ranks_on_node=1)
+    assert str(caught.value) == space

@@ -4,12 +4,15 @@ directory, parameter swapping, and the optimizer wrapping (``strategy.py`` docum
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
 from lightning_ampzero.config import OffloadConfig
 from lightning_ampzero.offload.optimizer import OffloadedAdam, _local, is_offloaded
+from lightning_ampzero.offload.store import NvmeOffloadError
+
+_T = TypeVar("_T")
 
 
 def swaps_parameters(config: OffloadConfig, device: torch.device) -> bool:
@@ -86,6 +89,45 @@ def remove_default_nvme_dir(config: OffloadConfig, path: Optional[Path], made: O
             return
         if made is None or folder == made:
             return
+
+
+def set_up_together(step: Callable[[], _T], *, gather: Optional[Callable[[Any], list[Any]]],
+                    ranks_on_node: int) -> _T:
+    """This rank's part of a swap-file setup (``step``: parameter swapping, the optimizer wrapping),
+    with its outcome decided by every rank: when one rank fails, every rank raises its message.
+
+    [Note: a swap setup that fails on one rank]
+    Each rank checks its own swap directory and space and creates its own files. With two ranks on
+    a drive too small for both, the first to check passed and allocated, the second then found the
+    space gone and raised, and the first never heard why: it met a closed connection in the next
+    collective and printed gloo's and the TCP store's stack dumps before the watchdog's line (a
+    new-user trial, 118 lines). Now the ranks exchange their outcome (``gather``: every rank's
+    object, in rank order; None in a single process) and all raise the first failing rank's
+    message; the files the others made are removed when they exit (their finalizers). The
+    ``ranks_on_node`` processes of a node share its drive, so a message about space says that the
+    drive needs room for all of them.
+    """
+    failure: Optional[BaseException] = None
+    result: Any = None
+    try:
+        result = step()
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it before anyone goes on
+        failure = e
+    text = None if failure is None else (str(failure) if isinstance(failure, NvmeOffloadError)
+                                         else f"{type(failure).__name__}: {failure}")
+    said = gather(text) if gather else [text]
+    failed = [(rank, text) for rank, text in enumerate(said) if text is not None]
+    if not failed:
+        return result
+    rank, text = failed[0]
+    if ranks_on_node > 1 and " free but " in text:
+        text += (f" The {ranks_on_node} ranks of a node share its drive, so it needs room for all their swap files,"
+                 f" about {ranks_on_node} times what one rank needs; the free space above is what was left when"
+                 " this rank checked.")
+    message = f"rank {rank} could not set up its swap files: {text}"
+    if failure is not None and len(said) == 1:
+        raise failure
+    raise NvmeOffloadError(message) from failure
 
 
 def swap_parameters(model: torch.nn.Module, config: OffloadConfig, device: torch.device, *,

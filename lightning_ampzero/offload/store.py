@@ -216,8 +216,8 @@ def check_nvme_dir(path: Path, needed: int, what: str = "") -> None:
         what = what or ("NVMe optimizer offload (12 bytes per parameter of this rank's partition: fp32 master +"
                         " Adam's two moments)")
         raise NvmeOffloadError(
-            f"offload.nvme_path={str(path)!r} has {_human(free)} free but {what} needs {_human(needed)} on this"
-            " node for this rank. Free space, or choose a larger drive."
+            f"offload.nvme_path={str(path)!r} has {_human(free)} free but {what} needs {_human(needed)} for"
+            " this rank. Free space, or choose a larger drive."
         )
 
 
