@@ -789,7 +789,7 @@ def trace_activations(
     )
 
 
-_DTYPES = {"32-true": torch.float32, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16,
+ACTIVATION_DTYPES = {"32-true": torch.float32, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16,
            "16-true": torch.float16, "bf16-true": torch.bfloat16}
 
 
@@ -811,10 +811,10 @@ def gpt_activations(cfg: Any, micro_batch: int, seq_len: Optional[int] = None,
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= cfg.block_size:
         raise ValueError(f"seq_len must be a whole number between 1 and the model's block_size {cfg.block_size},"
                          f" got {seq_len!r}.")
-    if precision not in _DTYPES:
-        raise ValueError(f"precision={precision!r} is not valid. Allowed values: {', '.join(_DTYPES)}.")
+    if precision not in ACTIVATION_DTYPES:
+        raise ValueError(f"precision={precision!r} is not valid. Allowed values: {', '.join(ACTIVATION_DTYPES)}.")
     with torch.device("meta"):
-        model = GPT(cfg).to(_DTYPES[precision])
+        model = GPT(cfg).to(ACTIVATION_DTYPES[precision])
     idx = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     targets = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
 
