@@ -464,6 +464,7 @@ def test_offload_refuses_a_finetuning_callback_at_setup_and_names_frozen_paramet
     assert said == []  # only the trainable ones: nothing to say
     # but the swap itself is said (a new-user trial found trainer.optimizers holding another class, unannounced)
     assert len(told) == 1 and "trainer.optimizers holds OffloadedAdam(AdamW" in told[0] and "your AdamW" in told[0], told
+    assert "your AdamW on the host and runs its step on the host" in told[0], told
     assert wrap_optimizers(wrapped, cfg, nvme_dir=None, rank=0, info=told.append) == wrapped and len(told) == 1
     close_optimizers(wrapped)
 

@@ -596,6 +596,13 @@ def test_skipped_steps_are_said_rate_limited_and_summed_up_at_teardown(monkeypat
     static._stub = _StubModule()
     _step(static, net, opt, 0.5, overflow=True)
     assert "loss scale kept at 65536 (static loss scale); 1 skipped so far" in said[0], said
+    # nor is a scale already at min_loss_scale, skipping (at_min_scale="skip"; a trial read "hysteresis")
+    said.clear()
+    at_min = AmpZeroPrecision("16-mixed", PrecisionConfig(loss_scaler=LossScalerConfig(
+        initial_scale_power=0, hysteresis=1, at_min_scale="skip")), device="cpu")
+    at_min._stub = _StubModule()
+    _step(at_min, net, opt, 0.5, overflow=True)
+    assert "loss scale kept at 1 (at min_loss_scale); 1 skipped so far" in said[0], said
 
 
 # ---- [Note: clipping before the step]: manual optimization clips unscaled gradients ----------------

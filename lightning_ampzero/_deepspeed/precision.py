@@ -101,7 +101,8 @@ def convert_precision(conv: Any, data: Mapping[str, Any]) -> None:
                          "torch_autocast.lower_precision_safe_modules")
     distinct = sorted({p for p, _ in chosen})
     if len(distinct) > 1:
-        conv.errors.append(" and ".join(k for _, k in chosen) + " are all set: enable one precision.")
+        both = " are both" if len(chosen) == 2 else " are all"
+        conv.errors.append(" and ".join(k for _, k in chosen) + both + " set: enable one precision.")
     elif distinct:
         # In the strategy's config, so it holds whatever the Trainer's precision= says.
         conv.values["precision.precision"] = (distinct[0], chosen[0][1])

@@ -223,11 +223,13 @@ def wrap_optimizers(optimizers: Sequence[Any], config: OffloadConfig, *, nvme_di
         _warn_frozen(optimizer, warn)
     wrapped = [o if is_offloaded(o) else OffloadedAdam(o, config, nvme_dir=nvme_dir, rank=rank, params=params)
                for o in optimizers]
+    where = ("on the host" if config.offload_optimizer == "cpu"
+             else f"in swap files under {nvme_dir} (read in tiles through host buffers)")
     for before, after in zip(optimizers, wrapped):
         if after is not before:
             info(f"offload_optimizer={config.offload_optimizer!r}: trainer.optimizers holds {after!r}, which keeps"
-                 f" the master weights and moments of your {type(getattr(before, '_optimizer', before)).__name__} on"
-                 " the host and runs its step there (same hyper-parameters and param_groups).")
+                 f" the master weights and moments of your {type(getattr(before, '_optimizer', before)).__name__}"
+                 f" {where} and runs its step on the host (same hyper-parameters and param_groups).")
     return wrapped
 
 
