@@ -462,7 +462,11 @@ class AmpZeroStrategy(ParallelStrategy):
             torch.distributed.all_gather_object(out, obj)
             return out
 
-        return offload_setup.set_up_together(step, gather=gather if self.world_size > 1 else None,
+        offload = self.config.offload
+        files = "nvme" in (offload.offload_optimizer, offload.offload_param, offload.offload_grad) or (
+            offload_setup.swaps_parameters(offload, self.root_device))
+        # Only a setup that makes swap files can fail on one rank alone: no collective for the others.
+        return offload_setup.set_up_together(step, gather=gather if self.world_size > 1 and files else None,
                                              ranks_on_node=self.num_processes)
 
     def _install_sigterm_broadcast(self, trainer: "pl.Trainer") -> None:

@@ -185,6 +185,12 @@ def check_machine(apps: Sequence[TrainAppConfig]) -> None:
             problem = cpu_param_offload_problem(app.offload)
             if problem:  # else one traceback per rank after the processes start (a trial's converted config)
                 raise ConfigError(problem)
+        if app.offload.nvme_path is not None:  # else every worker failed after building the model
+            from lightning_ampzero.offload.store import nvme_dir_problem
+
+            problem = nvme_dir_problem(Path(app.offload.nvme_path))
+            if problem:
+                raise ConfigError(problem)
         from lightning_ampzero.data.text import too_few_windows, train_windows
 
         file = app.data.file

@@ -278,3 +278,18 @@ def test_parameter_offload_to_cpu_without_optimizer_offload_on_cpu_is_refused_be
     assert "offload.offload_param='cpu' with accelerator='cpu'" in proc.stderr
     assert "needs offload_optimizer='cpu' or 'nvme'" in proc.stderr and "Nothing was started." in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "job").exists()
+
+
+@pytest.mark.parametrize("bad", ["missing", "file"])
+def test_an_nvme_path_swap_files_cannot_go_to_is_refused_before_any_process(tmp_path, bad):
+    # A trial: `strategy=zero3_nvme offload.nvme_path=<missing>` ran 82 s (processes, model) and failed
+    # in every worker, leaving a job directory behind; data.path and ckpt_path were checked before.
+    path = tmp_path / "nvme"
+    if bad == "file":
+        path.write_text("not a directory")
+    proc = _run([*QUICK, "strategy=zero3_nvme", f"offload.nvme_path={path}", "hydra.run.dir=job"], tmp_path)
+    assert proc.returncode == 2, _output(proc)
+    expected = "does not exist. Create the directory" if bad == "missing" else "is not a directory"
+    assert f"offload.nvme_path={str(path)!r} {expected}" in proc.stderr, proc.stderr
+    assert "Nothing was started." in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "job").exists()
