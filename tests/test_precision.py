@@ -657,3 +657,23 @@ def test_manual_clip_gradients_under_fp16_clips_the_unscaled_gradients(algorithm
         for norm, largest in taken:
             measured = norm if algorithm == "norm" else largest
             assert measured == pytest.approx(clip, rel=2e-3), (precision, taken)
+
+
+@pytest.mark.parametrize(("trainer_precision", "warned"), [(None, False), ("32-true", True), (32, True),
+                                                           ("bf16-true", True), ("bf16-mixed", False)])
+def test_a_trainer_precision_other_than_the_strategys_is_warned_also_when_it_is_32_true(trainer_precision, warned):
+    # The strategy's precision wins over the Trainer's (docs/precision.md: with a warning). An explicit
+    # Trainer(precision="32-true") under a DeepSpeed config's bf16 section was overridden silently, as
+    # "32-true" is also what Lightning builds when precision= is not given (a migration trial).
+    import lightning.pytorch as pl
+
+    from lightning_ampzero.strategy import AmpZeroStrategy
+
+    kwargs = {} if trainer_precision is None else {"precision": trainer_precision}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             strategy=AmpZeroStrategy(config={"bf16": {"enabled": True}}, stage=2), **kwargs)
+    said = [str(w.message) for w in caught if "differs from the strategy's precision config" in str(w.message)]
+    assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
+    assert bool(said) == warned, said

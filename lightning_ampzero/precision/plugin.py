@@ -165,7 +165,10 @@ class AmpZeroPrecision(Precision):
                     " with dynamic loss scaling. Lightning's two lines above, that it uses 'bf16-mixed' and bfloat16 AMP"
                     " instead, do not apply: the model trains in float16."
                 )
-        if config.precision is not None and requested not in ("32-true", config.precision):
+        # "32-true" is also what Lightning builds when precision= is not given: said only when the user
+        # gave it (a trial's explicit Trainer(precision="32-true") under a DeepSpeed config's bf16 passed silently).
+        given = requested != "32-true" or _trainer_precision_flag() is not None
+        if config.precision is not None and requested != config.precision and given:
             rank_zero_warn(
                 f"Trainer(precision={requested!r}) differs from the strategy's precision config"
                 f" ({config.precision!r}); the strategy's is used."
