@@ -1,7 +1,8 @@
 """The keywords of :class:`~lightning_ampzero.strategy.AmpZeroStrategy`.
 
 How its ``config`` and keyword overrides become one :class:`AmpZeroConfig`, and the typed signature
-a LightningCLI reads.
+a LightningCLI reads. Shared by the strategy's ``lightning.pytorch`` and ``pytorch_lightning`` copies
+(lightning_ampzero/_compat.py), so it imports no Lightning: the strategy hands it its ``rank_zero_info``.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ import dataclasses
 import inspect
 import os
 import typing
-from typing import Any, Iterator, Mapping, Optional, Union
-
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 from lightning_ampzero._schema import suggest
 from lightning_ampzero.config import (
@@ -58,11 +57,13 @@ def _nested_home(name: str) -> str:
 _LIGHTNING_SPELLINGS = {"16": "16-mixed", "32": "32-true", "bf16": "bf16-mixed"}
 
 
-def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroConfig, Any]:
+def resolve_config(config: Any, overrides: Mapping[str, Any],
+                   say: Callable[[str], None] = lambda message: None) -> tuple[AmpZeroConfig, Any]:
     """The AmpZeroConfig for a strategy: from ours, a DeepSpeed config (path or dict), or defaults; plus overrides.
 
     Keyword overrides name fields of :class:`AmpZeroConfig` (``precision=...``) or of
-    :class:`ZeroConfig` (``stage=3, reduce_bucket_size=5e7, ...``).
+    :class:`ZeroConfig` (``stage=3, reduce_bucket_size=5e7, ...``). ``say``: told which values of
+    ``config`` the keywords replaced (:func:`say_replaced`).
     """
     imported = None
     # A keyword given as None leaves the value of `config` (or the default): a LightningCLI passes
@@ -131,7 +132,7 @@ def resolve_config(config: Any, overrides: Mapping[str, Any]) -> tuple[AmpZeroCo
     if top_kw:
         cfg = dataclasses.replace(cfg, **top_kw)
     if config is not None:
-        say_replaced(given, cfg, named, dict(imported.sources) if imported is not None else None)
+        say_replaced(given, cfg, named, dict(imported.sources) if imported is not None else None, say=say)
     return cfg, imported
 
 
@@ -145,8 +146,8 @@ def _keyword_value(cfg: AmpZeroConfig, name: str) -> Any:
 
 
 def say_replaced(given: AmpZeroConfig, final: AmpZeroConfig, names: list[str],
-                 sources: Optional[Mapping[str, str]] = None) -> None:
-    """Say, on rank 0, which keywords replaced a different value of the strategy's ``config``.
+                 sources: Optional[Mapping[str, str]] = None, *, say: Callable[[str], None]) -> None:
+    """Tell ``say`` (the strategy's rank-zero info) which keywords replaced a different value of ``config``.
 
     A keyword beside ``config`` wins (``AmpZeroStrategy(config="ds.json", stage=3)`` with ``"stage": 1``
     in the file trains at stage 3). That is the documented rule, but a DeepSpeed user whose file
@@ -171,7 +172,7 @@ def say_replaced(given: AmpZeroConfig, final: AmpZeroConfig, names: list[str],
                     else f"{name} (the whole section)")
             replaced.append(f"{text} (the file's {key})" if sources is not None else text)
     if replaced:
-        rank_zero_info(f"AmpZeroStrategy: keywords given beside `config` replace its values: {', '.join(replaced)}.")
+        say(f"AmpZeroStrategy: keywords given beside `config` replace its values: {', '.join(replaced)}.")
 
 
 def _keyword_signature(init: Any) -> inspect.Signature:

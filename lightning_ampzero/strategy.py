@@ -193,7 +193,7 @@ class AmpZeroStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         **overrides: Any,
     ) -> None:
-        self.config, self.imported = resolve_config(config, overrides)
+        self.config, self.imported = resolve_config(config, overrides, say=rank_zero_info)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -1014,12 +1014,12 @@ def test_no_stage_0_note_when_a_stage_is_given_beside_the_config():
 def test_a_keyword_that_replaces_a_value_of_the_config_is_named(monkeypatch):
     # AmpZeroStrategy(config=<"stage": 1>, stage=3) trained at stage 3 and said nothing of the file's
     # stage 1 (a migration trial): each replaced value is now named, with the key it came from.
-    from lightning_ampzero import keywords
+    import lightning_ampzero.strategy as strategy_module
     from lightning_ampzero.config import AmpZeroConfig, ZeroConfig
     from lightning_ampzero.strategy import AmpZeroStrategy
 
     said: list[str] = []
-    monkeypatch.setattr(keywords, "rank_zero_info", said.append)
+    monkeypatch.setattr(strategy_module, "rank_zero_info", said.append)
     ds = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 5e7, "offload_optimizer": {"device": "cpu"}},
           "bf16": {"enabled": True}}
     with warnings.catch_warnings():
