@@ -100,6 +100,25 @@ def test_loads_bit_for_bit_once(ckpts, kind):
     assert hf.load_pending_pretrained(holder) == []  # loaded once: a later setup keeps trained weights
 
 
+def test_fp8_delayed_buffers_converted_in_before_loading_are_not_missing_weights(ckpts):
+    # The strategy converts to FP8 before pending pretrained weights load; the delayed recipe's
+    # buffers (amax history, scale) were then "not in the checkpoint" and the load refused (a trial).
+    from lightning_ampzero.config import Fp8Config
+    from lightning_ampzero.fp8 import convert_to_fp8
+    from lightning_ampzero.fp8.linear import Fp8Linear
+
+    path = ckpts["single"]
+    torch.manual_seed(123)
+    holder = nn.Module()
+    holder.model = hf.from_pretrained(transformers.AutoModelForCausalLM, path)
+    convert_to_fp8(holder, Fp8Config(recipe="delayed", min_features=0))
+    assert any(isinstance(m, Fp8Linear) and "fp8_amax_history" in m._buffers for m in holder.modules())
+    hf.load_pending_pretrained(holder)
+    state = holder.model.state_dict()
+    for key, value in _file_state(path).items():
+        assert torch.equal(state[key], value), key
+
+
 def test_dtype_cast_and_base_model_prefix(ckpts, tmp_path):
     # A checkpoint of the base model (keys without 'model.') into the head model, as from_pretrained does.
     torch.manual_seed(0)

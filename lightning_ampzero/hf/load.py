@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_ampzero.fp8.convert import FP8_STATE_SUFFIXES
 from lightning_ampzero.hf.files import CheckpointFiles, weight_files
 from lightning_ampzero.hf.keys import checkpoint_to_model, group_by_tensor, matches_any, state_tensors, tied_targets
 
@@ -161,7 +162,10 @@ def load_pretrained_(model: nn.Module, path: str | Path, *, strict: bool = True,
         if not keys:  # a tied weight absent from the file (save_pretrained drops it): load its source
             keys = [key_of[tied[n]] for n in names if n in tied and tied[n] in key_of]
         if not keys:
-            if not all(matches_any(n, ignore_missing) or n in adapters for n in names):
+            # FP8's delayed-recipe buffers (amax history, scale) are the recipe's own state, converted in
+            # before the weights load (a trial: "26 parameters/buffers are not in the checkpoint").
+            if not all(matches_any(n, ignore_missing) or n in adapters or n.endswith(FP8_STATE_SUFFIXES)
+                       for n in names):
                 missing.append(names[0])
             continue
         used.update(keys)

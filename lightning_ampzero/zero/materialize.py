@@ -161,6 +161,10 @@ def materialize_meta_(module: nn.Module, device: torch.device,
             fsdp_param.reset_sharded_param()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _reset_bottom_up(module: nn.Module, fresh: set[int], buffers_fresh: set[int], owners: Mapping[int, list]) -> None:
     initialised: set[int] = set()
 
@@ -172,7 +176,16 @@ def _reset_bottom_up(module: nn.Module, fresh: set[int], buffers_fresh: set[int]
             visit(child)
         reset = getattr(m, "reset_parameters", None)
         if callable(reset) and needs(m):
+            # A module reset for a buffer alone keeps the values its parameters were given: FP8's
+            # delayed recipe adds meta buffers (amax history, scale) to Linears whose weights already
+            # hold this rank's chunk of the one-process model or of a checkpoint, and their
+            # reset_parameters() drew new weights over those (a new-user trial: stage 3 + "delayed"
+            # started a from_pretrained model from random Linears, 0.18 from the file).
+            kept = [(p, _local(p).clone()) for p in m.parameters() if id(p) not in fresh]
             reset()
+            with torch.no_grad():
+                for p, value in kept:
+                    _local(p).copy_(value)
             initialised.update(id(p) for p in m.parameters())
 
     with warnings.catch_warnings():
