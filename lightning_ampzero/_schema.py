@@ -97,6 +97,18 @@ class FromDict:
         if section is not None:
             cls._section = section
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # A misspelt keyword of the dataclass itself (``Fp8Config(recipee=...)``, as the docs' own
+        # examples construct them) got Python's bare "unexpected keyword argument", where the dict
+        # and Hydra forms suggest the field (a new-user trial). Checked here, before __init__.
+        if kwargs:
+            names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+            unknown = [k for k in kwargs if k not in names]
+            if unknown:
+                raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {unknown[0]!r}."
+                                f"{suggest(unknown[0], names)} Fields: {', '.join(names)}.")
+        return super().__new__(cls)
+
     @classmethod
     def from_dict(cls: type[C], data: Mapping[str, Any] | None) -> C:
         return config_from_dict(cls, data, path=cls._section)

@@ -445,3 +445,16 @@ def test_a_whole_float_stage_is_that_stage_as_an_int():
     for bad in (2.5, "3", True):
         with pytest.raises(ValueError, match="is not a ZeRO stage"):
             ZeroConfig(stage=bad)
+
+
+def test_a_misspelt_keyword_of_a_config_dataclass_is_answered_with_the_field():
+    # docs/fp8.md constructs Fp8Config(...) directly; a typo there got Python's bare TypeError while
+    # the dict and Hydra forms suggested the field (a new-user trial).
+    from lightning_ampzero.config import Fp8Config, OffloadConfig, ZeroConfig
+
+    with pytest.raises(TypeError, match=r"Fp8Config\(\) got an unexpected keyword argument 'recipee'\. Did you mean"
+                                        r" 'recipe'\? Fields: enabled, recipe,"):
+        Fp8Config(recipee="delayed")
+    with pytest.raises(TypeError, match=r"'offload_optimiser'\. Did you mean 'offload_optimizer'\?"):
+        OffloadConfig(offload_optimiser="cpu")
+    assert ZeroConfig(stage=3).stage == 3 and Fp8Config(recipe="delayed").recipe == "delayed"
