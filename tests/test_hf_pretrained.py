@@ -119,6 +119,17 @@ def test_fp8_delayed_buffers_converted_in_before_loading_are_not_missing_weights
         assert torch.equal(state[key], value), key
 
 
+def test_a_model_whose_pretrained_weights_were_never_loaded_refuses_its_forward(ckpts):
+    # Under Lightning's ddp nothing loads them, and the model trained from random weights silently (a trial).
+    model = hf.from_pretrained(transformers.AutoModelForCausalLM, ckpts["single"])
+    x = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"were never loaded into this LlamaForCausalLM.*load_pending_pretrained"):
+        model(x)
+    hf.load_pending_pretrained(model)
+    assert model(x).logits.shape == (1, 4, TINY["vocab_size"])
+    assert not model._forward_pre_hooks  # nothing left behind once loaded
+
+
 def test_dtype_cast_and_base_model_prefix(ckpts, tmp_path):
     # A checkpoint of the base model (keys without 'model.') into the head model, as from_pretrained does.
     torch.manual_seed(0)

@@ -29,6 +29,24 @@ from lightning_ampzero.hf.keys import checkpoint_to_model, group_by_tensor, matc
 # Attribute of a model built by from_pretrained, removed once its weights are loaded (so a
 # second setup, e.g. trainer.test after trainer.fit, never overwrites trained weights).
 _PENDING = "_ampzero_pretrained"
+_PENDING_HOOK = "_ampzero_pretrained_hook"
+
+
+def _refuse_unloaded(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a model whose pretrained weights were never copied in.
+
+    With Lightning's own strategies nothing calls :func:`load_pending_pretrained`, and a model built
+    by :func:`from_pretrained` trained silently from its random initial weights (a new-user trial:
+    0.13 from the file under ``ddp``); strategy ``ampzero`` loads them in setup, before any forward.
+    """
+    source = module.__dict__.get(_PENDING)
+    if source is not None:
+        raise RuntimeError(
+            f"The weights of {str(source.path)!r} were never loaded into this {type(module).__name__}, built by"
+            " lightning_ampzero.hf.from_pretrained, which copies them in at setup under strategy 'ampzero'. With"
+            " another strategy, or no Trainer, call lightning_ampzero.hf.load_pending_pretrained(model) once the"
+            " model is in place (in the LightningModule's setup() or configure_model(), after building it)."
+        )
 
 
 @dataclass(frozen=True)
@@ -87,6 +105,7 @@ def from_pretrained(
     else:
         model = model_cls(config, **kwargs)
     setattr(model, _PENDING, PretrainedSource(path, strict))
+    model.__dict__[_PENDING_HOOK] = model.register_forward_pre_hook(_refuse_unloaded)
     # transformers' from_pretrained returns the model in eval mode (dropout off), and Lightning
     # does not switch modules to train mode: as a drop-in for it, the same mode, or the run trained
     # with dropout where the user's ddp run had none (a new-user trial, issue 16's note).
@@ -109,6 +128,9 @@ def load_pending_pretrained(module: nn.Module) -> list[LoadStats]:
     for name, model, source in pending_pretrained(module):
         stats.append(load_pretrained_(model, source.path, strict=source.strict, name=name))
         del model.__dict__[_PENDING]
+        hook = model.__dict__.pop(_PENDING_HOOK, None)
+        if hook is not None:
+            hook.remove()
     return stats
 
 
