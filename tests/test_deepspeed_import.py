@@ -250,7 +250,8 @@ def test_unknown_keys_fail_with_path_and_suggestion(config, expected):
     ("config", "expected"),
     [
         ({"zero_optimization": {"stage": 4}}, "Allowed values: 0"),
-        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both set: enable one precision"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+         "fp16.enabled and bf16.enabled are both set: enable one precision"),
         ({"communication_data_type": "int8"}, "Allowed values: fp32, fp16, bf16"),
         ({"optimizer": {"type": "Adamm", "params": {}}}, "Allowed values: 'Adam', 'AdamW'"),
         ({"scheduler": {"type": "WarmupDecayLRR", "params": {}}},

@@ -308,7 +308,8 @@ class AmpZeroPrecision(Precision):
         # A dynamic scale is kept by hysteresis, or because it is at min_loss_scale already (at_min_scale
         # "skip"/"warn"): a trial read "hysteresis" for the latter, with hysteresis 1.
         at_min = scale <= getattr(config, "min_loss_scale", 0)
-        why = ("at min_loss_scale" if at_min else "hysteresis") if getattr(config, "dynamic", False) else "static loss scale"
+        kept_by = "at min_loss_scale" if at_min else "hysteresis"
+        why = kept_by if getattr(config, "dynamic", False) else "static loss scale"
         change = f"loss scale {scale_before:g} -> {scale:g}" if scale != scale_before else f"loss scale kept at {scale:g} ({why})"
         more = " (further skips are reported at powers of two; the count is logged as 'skipped_steps')" if skipped == 3 else ""
         rank_zero_info(f"precision={self.precision!r}: step {step} skipped, non-finite gradients on some rank;"
