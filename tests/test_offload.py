@@ -540,3 +540,9 @@ def test_a_swap_setup_decided_together_names_the_failing_rank_and_the_shared_dri
     with pytest.raises(NvmeOffloadError) as caught:
         set_up_together(fails, gather=None, ranks_on_node=1)
     assert str(caught.value) == space
+    # An error of another kind (a config's, the same on every rank) keeps its type on the rank it came from.
+    def refused():
+        raise ValueError("a config problem")
+
+    with pytest.raises(ValueError, match="a config problem"):
+        set_up_together(refused, gather=lambda mine: [mine, mine], ranks_on_node=2)

@@ -124,10 +124,9 @@ def set_up_together(step: Callable[[], _T], *, gather: Optional[Callable[[Any], 
         text += (f" The {ranks_on_node} ranks of a node share its drive, so it needs room for all their swap files,"
                  f" about {ranks_on_node} times what one rank needs; the free space above is what was left when"
                  " this rank checked.")
-    message = f"rank {rank} could not set up its swap files: {text}"
-    if failure is not None and len(said) == 1:
-        raise failure
-    raise NvmeOffloadError(message) from failure
+    if failure is not None and (len(said) == 1 or not isinstance(failure, NvmeOffloadError)):
+        raise failure  # one process, or an error of another kind (a config's): its own type, as it was
+    raise NvmeOffloadError(f"rank {rank} could not set up its swap files: {text}") from failure
 
 
 def swap_parameters(model: torch.nn.Module, config: OffloadConfig, device: torch.device, *,
