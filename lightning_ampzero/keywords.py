@@ -170,7 +170,7 @@ def say_replaced(given: AmpZeroConfig, final: AmpZeroConfig, names: list[str],
         if before is not None and before != after:  # (None: the config left it to the Trainer)
             text = (f"{name} {before!r} -> {after!r}" if not dataclasses.is_dataclass(after)
                     else f"{name} (the whole section)")
-            replaced.append(f"{text} (the file's {key})" if sources is not None else text)
+            replaced.append(f"{text} (the DeepSpeed config's {key})" if sources is not None else text)
     if replaced:
         say(f"AmpZeroStrategy: keywords given beside `config` replace its values: {', '.join(replaced)}.")
 

@@ -220,6 +220,7 @@ class AmpZeroStrategy(ParallelStrategy):
         self._nvme_dir: Optional[Path] = None  # [offload] where this fit's swap folders are
         self._nvme_made: Optional[Path] = None  # [offload] the outermost folder made for them (removed if empty)
         self._unused: Optional[UnusedTracker] = None  # stages 1-3: [Note: parameters unused on some ranks]
+        self._said: set[str] = set()  # setup's notes already warned (setup runs for fit, validate, test, ...)
 
     # ---- configuration -------------------------------------------------------------------
     @property
@@ -349,12 +350,12 @@ class AmpZeroStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         if self.imported is not None:
             self.imported.apply_to_trainer(trainer)
-        note = fp8_device_note(self.config.fp8, self.root_device)
-        if note is not None:
-            rank_zero_warn(note)
-        note = overlap_comm_note(self.config.zero, torch.distributed.get_backend())
-        if note is not None:
-            rank_zero_warn(note)
+        # Once per strategy, not at each of fit, validate and test (a trial saw the FP8 note three times).
+        for note in (fp8_device_note(self.config.fp8, self.root_device),
+                     overlap_comm_note(self.config.zero, torch.distributed.get_backend())):
+            if note is not None and note not in self._said:
+                self._said.add(note)
+                rank_zero_warn(note)
         module = self.model
         self._ddp_interrupted = False  # a new fit wraps a new DDP
         params = list(module.parameters())

@@ -1029,9 +1029,9 @@ def test_a_keyword_that_replaces_a_value_of_the_config_is_named(monkeypatch):
                                    precision="32-true")
     assert strategy.stage == 3 and strategy.config.offload.offload_optimizer == "none"
     assert said == ["AmpZeroStrategy: keywords given beside `config` replace its values:"
-                    " stage 1 -> 3 (the file's zero_optimization.stage),"
-                    " offload_optimizer 'cpu' -> 'none' (the file's zero_optimization.offload_optimizer.device),"
-                    " precision 'bf16-mixed' -> '32-true' (the file's bf16.enabled)."]
+                    " stage 1 -> 3 (the DeepSpeed config's zero_optimization.stage),"
+                    " offload_optimizer 'cpu' -> 'none' (the DeepSpeed config's zero_optimization.offload_optimizer.device),"
+                    " precision 'bf16-mixed' -> '32-true' (the DeepSpeed config's bf16.enabled)."]
     # reduce_bucket_size was given equal to the file's: nothing replaced, nothing said of it. A stage
     # the file does not set (DeepSpeed's default 0) is not the file's to lose either.
     said.clear()

@@ -45,7 +45,8 @@ def _refuse_unloaded(module: nn.Module, args: Any) -> None:
             f"The weights of {str(source.path)!r} were never loaded into this {type(module).__name__}, built by"
             " lightning_ampzero.hf.from_pretrained, which copies them in at setup under strategy 'ampzero'. With"
             " another strategy, or no Trainer, call lightning_ampzero.hf.load_pending_pretrained(model) once the"
-            " model is in place (in the LightningModule's setup() or configure_model(), after building it)."
+            " model is built: in configure_model() right after building it there, or in setup() for a model built"
+            " in __init__ or setup() (Lightning calls setup() before configure_model())."
         )
 
 
