@@ -8,6 +8,7 @@ a LightningCLI reads. Shared by the strategy's ``lightning.pytorch`` and ``pytor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import typing
@@ -136,13 +137,13 @@ def resolve_config(config: Any, overrides: Mapping[str, Any],
     return cfg, imported
 
 
-def _keyword_value(cfg: AmpZeroConfig, name: str) -> Any:
-    """The value keyword ``name`` sets in ``cfg`` (``stage`` -> ``cfg.zero.stage``)."""
-    if name == "precision":
-        return cfg.precision.precision
-    section = _flat_keywords()[name]
-    holder = cfg.zero if section is ZeroConfig else cfg.offload if section is OffloadConfig else cfg
-    return getattr(holder, name)
+def _keyword_path(name: str, owner: Mapping[str, type]) -> str:
+    """The dotted config field keyword ``name`` sets (``stage`` -> ``zero.stage``, ``precision`` ->
+    ``precision.precision``): the attribute path in an AmpZeroConfig and a DeepSpeed import's target."""
+    if name == "precision":  # the shorthand for the precision section's own field
+        return "precision.precision"
+    section = owner[name]
+    return f"zero.{name}" if section is ZeroConfig else f"offload.{name}" if section is OffloadConfig else name
 
 
 def say_replaced(given: AmpZeroConfig, final: AmpZeroConfig, names: list[str],
@@ -157,12 +158,11 @@ def say_replaced(given: AmpZeroConfig, final: AmpZeroConfig, names: list[str],
     ``sources`` (a DeepSpeed config's): field -> the key it came from; a field the file did not set
     (``zero.stage`` for a file without ``zero_optimization.stage``) was not replaced, so not named.
     """
+    owner = _flat_keywords()
     replaced = []
     for name in names:
-        before, after = _keyword_value(given, name), _keyword_value(final, name)
-        section = _flat_keywords().get(name)
-        target = (f"zero.{name}" if section is ZeroConfig else f"offload.{name}" if section is OffloadConfig
-                  else "precision.precision" if name == "precision" else name)
+        target = _keyword_path(name, owner)
+        before, after = (functools.reduce(getattr, target.split("."), cfg) for cfg in (given, final))
         if sources is not None:
             key = sources.get(target)
             if key is None or "(absent" in key:

@@ -71,7 +71,7 @@ from lightning_ampzero.offload.optimizer import is_offloaded
 from lightning_ampzero.offload.params import after_checkpoint
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
 from lightning_ampzero.host_memory import keep_freed_host_memory
-from lightning_ampzero.keywords import _flat_keywords, _keyword_signature, resolve_config  # noqa: F401 (tests)
+from lightning_ampzero.keywords import _keyword_signature, resolve_config
 from lightning_ampzero.process import release_process_groups
 from lightning_ampzero.torch_compile import apply_compile
 from lightning_ampzero.hf import load_pending_pretrained, refuse_own_save_pretrained
@@ -463,9 +463,8 @@ class AmpZeroStrategy(ParallelStrategy):
             torch.distributed.all_gather_object(out, obj)
             return out
 
-        offload = self.config.offload
-        files = "nvme" in (offload.offload_optimizer, offload.offload_param, offload.offload_grad) or (
-            offload_setup.swaps_parameters(offload, self.root_device))
+        # (a swap directory is resolved exactly when something goes to NVMe; tmpfs for offload_param='cpu' on CPU)
+        files = self._nvme_dir is not None or offload_setup.swaps_parameters(self.config.offload, self.root_device)
         # Only a setup that makes swap files can fail on one rank alone: no collective for the others.
         return offload_setup.set_up_together(step, gather=gather if self.world_size > 1 and files else None,
                                              ranks_on_node=self.num_processes)

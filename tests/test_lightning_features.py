@@ -169,7 +169,8 @@ def test_every_keyword_of_lightnings_deepspeed_strategy_is_taken_or_answered():
 
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    from lightning_ampzero.strategy import AmpZeroStrategy, _flat_keywords
+    from lightning_ampzero.keywords import _flat_keywords
+    from lightning_ampzero.strategy import AmpZeroStrategy
 
     # the Strategy's own constructor arguments, and the keywords taken as they are
     own = {"self", "accelerator", "parallel_devices", "cluster_environment", "precision_plugin", "config"}

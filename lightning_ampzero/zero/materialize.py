@@ -102,8 +102,6 @@ def materialize_meta_(module: nn.Module, device: torch.device,
     itself, not a copy. The others are initialised by ``reset_parameters`` of their modules,
     bottom-up.
     """
-    from torch.distributed.tensor import DTensor
-
     if shards is None:
         shards = {}
     owners = _owners(module)
@@ -120,7 +118,7 @@ def materialize_meta_(module: nn.Module, device: torch.device,
         if chunk is None:
             fresh.add(key)
             continue
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = _local(p)
         if local.shape != chunk.shape:
             raise RuntimeError(
                 f"Parameter {names[0]!r}: the chunk built for this rank has shape {tuple(chunk.shape)} but the"
