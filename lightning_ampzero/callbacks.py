@@ -33,6 +33,7 @@ from torch import nn
 
 from lightning.pytorch.callbacks import Callback
 
+from lightning_ampzero._local import local_tensor
 from lightning_ampzero.estimate import (
     PRECISIONS,
     ActivationTrace,
@@ -70,8 +71,7 @@ class _SavedBytes:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         base = getattr(t, "_base", None)
         if not isinstance(t, nn.Parameter) and not isinstance(base, nn.Parameter):
-            local = t.to_local() if hasattr(t, "to_local") else t
-            storage = local.untyped_storage()
+            storage = local_tensor(t).untyped_storage()
             self.sizes[storage._cdata] = storage.nbytes()
         return t
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_ampzero._schema import FromDict, check_choice, check_class_names, check_number
 from lightning_ampzero.host_memory import MAX_CACHE_MB as MAX_HOST_CACHE_MB

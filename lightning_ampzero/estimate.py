@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from lightning_ampzero._local import local_tensor
 from lightning_ampzero.config import STAGES, OffloadConfig, ZeroConfig
 from lightning_ampzero.memory import zero_formula
 
@@ -698,13 +699,11 @@ class _FusedAttention(torch.overrides.TorchFunctionMode):
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.untyped_storage()._cdata  # the StorageImpl: unique per storage, meta included
+    return local_tensor(t).untyped_storage()._cdata  # the StorageImpl: unique per storage, meta included
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.untyped_storage().nbytes()
+    return local_tensor(t).untyped_storage().nbytes()
 
 
 def trace_activations(

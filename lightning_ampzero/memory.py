@@ -30,6 +30,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from lightning_ampzero._local import local_tensor
+
 CATEGORIES = ("params", "grads", "optimizer")
 
 
@@ -74,12 +76,6 @@ def zero_formula(
     return ModelStateBytes(params, grads, (state_bytes + master) * psi // n)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class _Storages:
     def __init__(self) -> None:
         self.seen: set[int] = set()
@@ -92,7 +88,7 @@ class _Storages:
     def add(self, t: Optional[torch.Tensor]) -> int:
         if t is None or not isinstance(t, torch.Tensor):
             return 0
-        s = _local(t).untyped_storage()
+        s = local_tensor(t).untyped_storage()
         if s.nbytes() == 0 or s.data_ptr() in self.seen:
             return 0
         self.seen.add(s.data_ptr())

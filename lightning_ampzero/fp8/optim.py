@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_ampzero._local import local_tensor
 from lightning_ampzero.fp8.kernels import EPS
 
 M_DTYPE = torch.float8_e4m3fn
@@ -39,12 +40,9 @@ STATE_BYTES_PER_TENSOR = 3 * 4
 
 def _local(t: Tensor) -> Tensor:
     """The plain local tensor (a DTensor's shard; the fp32 data inside an FP8 all-gather wrapper)."""
-    from torch.distributed.tensor import DTensor
-
     from lightning_ampzero.fp8.fsdp import Fp8AllGatherWeight
 
-    if isinstance(t, DTensor):
-        t = t._local_tensor
+    t = local_tensor(t)
     if isinstance(t, Fp8AllGatherWeight):
         t = t._tensor
     return t

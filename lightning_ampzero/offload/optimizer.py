@@ -34,21 +34,16 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_ampzero._local import local_tensor
 from lightning_ampzero.config import OffloadConfig
 from lightning_ampzero.offload.store import HostStore, NvmeStore, tile_ranges
-
-
-def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _like_param(flat: Tensor, param: Tensor) -> Tensor:
     """``flat`` (a view of this rank's part) shaped and, for a DTensor parameter, sharded like ``param``."""
     from torch.distributed.tensor import DTensor
 
-    local = flat.view(_local(param).shape)
+    local = flat.view(local_tensor(param).shape)
     if isinstance(param, DTensor):
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
@@ -133,7 +128,7 @@ class OffloadedAdam(Optimizer):
         for g, group in enumerate(self.param_groups):
             entries, offset = [], 0
             for p in group["params"]:
-                n = _local(p).numel()
+                n = local_tensor(p).numel()
                 entries.append((p, offset, n))
                 self._where[p] = (g, offset, n)
                 offset += n
@@ -148,7 +143,7 @@ class OffloadedAdam(Optimizer):
 
             grads = next((s for s in map(grad_swapper, self._where) if s is not None), None)
         self._grads = grads if grads is not None and any(grads.owns(p) for p in self._where) else None
-        device = next((_local(p).device for p in self._where), torch.device("cpu"))
+        device = next((local_tensor(p).device for p in self._where), torch.device("cpu"))
         # Pinned memory needs an accelerator: pinning fails on a CPU-only machine (FACTS.md).
         self._pin = bool(config.pin_memory and device.type == "cuda")
         self._device = device
@@ -236,7 +231,7 @@ class OffloadedAdam(Optimizer):
 
     def _host_grad(self, p: Tensor, lo: int, hi: int, tile_offset: int) -> Tensor:
         swapped = self._grads is not None and self._grads.holds(p)
-        grad = None if swapped else _local(p.grad).reshape(-1)[lo:hi]
+        grad = None if swapped else local_tensor(p.grad).reshape(-1)[lo:hi]
         if grad is not None and grad.device.type == "cpu" and grad.dtype == torch.float32:
             return grad  # already a host fp32 view: no copy
         n = hi - lo
@@ -279,7 +274,7 @@ class OffloadedAdam(Optimizer):
                 if self._params is not None and self._params.owns(p):
                     self._params.write(p, lo, hi, master)  # straight into the swap file
                 else:
-                    _local(p).view(-1)[lo:hi].copy_(master, non_blocking=self._pin)
+                    local_tensor(p).view(-1)[lo:hi].copy_(master, non_blocking=self._pin)
             event = None
             if self._pin:
                 event = torch.cuda.Event()
@@ -310,7 +305,7 @@ class OffloadedAdam(Optimizer):
         if self._params is not None and self._params.owns(p):
             self._params.read(p, lo, hi, out)
         else:
-            out.copy_(_local(p).reshape(-1)[lo:hi])
+            out.copy_(local_tensor(p).reshape(-1)[lo:hi])
 
     # ---- checkpoints ---------------------------------------------------------------------------------
     def _param_state(self, g: int, p: Tensor) -> dict[str, Any]:
@@ -364,7 +359,7 @@ class OffloadedAdam(Optimizer):
                 self._steps[p] = torch.tensor(float(st["step"]), dtype=torch.float32)
                 for name in ("exp_avg", "exp_avg_sq") + (("master",) if "master" in st else ()):
                     dst = self.store.full(g, name)[off : off + n]
-                    src = _local(st[name]).reshape(-1)
+                    src = local_tensor(st[name]).reshape(-1)
                     if src.data_ptr() != dst.data_ptr() or src.device != dst.device:
                         dst.copy_(src)
                 if "master" in st:

@@ -8,8 +8,9 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
+from lightning_ampzero._local import local_tensor
 from lightning_ampzero.config import OffloadConfig
-from lightning_ampzero.offload.optimizer import OffloadedAdam, _local, is_offloaded
+from lightning_ampzero.offload.optimizer import OffloadedAdam, is_offloaded
 from lightning_ampzero.offload.store import NvmeOffloadError
 
 _T = TypeVar("_T")
@@ -258,7 +259,7 @@ def _refuse_groups_added_later(callbacks: Sequence[Any]) -> None:
 def _warn_frozen(optimizer: Any, warn: Callable[[str], None]) -> None:
     from lightning_ampzero.estimate import format_bytes
 
-    frozen = sum(_local(p).numel() for group in optimizer.param_groups for p in group["params"]
+    frozen = sum(local_tensor(p).numel() for group in optimizer.param_groups for p in group["params"]
                  if not p.requires_grad)
     if frozen:
         warn(f"offload_optimizer: the optimizer holds {frozen:,} elements of frozen parameters on this rank, and"

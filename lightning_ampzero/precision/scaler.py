@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_ampzero._local import local_tensor
 from lightning_ampzero.config import LossScalerConfig
 from lightning_ampzero.process import collective_device
 
@@ -62,14 +63,6 @@ class LossScaleAtMinimumError(RuntimeError):
 # ---------------------------------------------------------------------------------------
 # Fused unscale + overflow check
 # ---------------------------------------------------------------------------------------
-
-
-def _local(grad: Tensor) -> Tensor:
-    """The tensor this rank holds: a DTensor's local shard, else the tensor itself."""
-    local = getattr(grad, "_local_tensor", None)
-    if local is None and hasattr(grad, "to_local"):
-        local = grad.to_local()
-    return grad if local is None else local
 
 
 def _resolve_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -110,7 +103,7 @@ def unscale_and_check_(
     for grad in grads:
         if grad is None:
             continue
-        local = _local(grad)
+        local = local_tensor(grad)
         if local.is_sparse:
             # As GradScaler does: the values are what is stored and scaled.
             local = local._values()
@@ -148,7 +141,7 @@ def nonfinite_grad_names(named_parameters: Iterable[tuple[str, Tensor]]) -> list
     for name, param in named_parameters:
         if param.grad is None:
             continue
-        local = _local(param.grad)
+        local = local_tensor(param.grad)
         if local.is_sparse:
             local = local._values()
         entries.append((name, local.device, len(flags[local.device])))

@@ -16,15 +16,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_ampzero._local import local_tensor
 from lightning_ampzero.process import collective_device
 
 
 def _local(t: Tensor) -> tuple[Tensor, bool]:
+    """This rank's part of ``t``, and whether it is a shard (so norms must be summed over ranks)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        sharded = any(p.is_shard() for p in t.placements)
-        return t.to_local(), sharded
+        return local_tensor(t), any(p.is_shard() for p in t.placements)
     return t, False
 
 

@@ -22,6 +22,7 @@ from typing import Mapping, MutableMapping, Optional
 import torch
 from torch import nn
 
+from lightning_ampzero._local import local_tensor
 from lightning_ampzero.memory import fsdp_param_groups
 
 
@@ -118,7 +119,7 @@ def materialize_meta_(module: nn.Module, device: torch.device,
         if chunk is None:
             fresh.add(key)
             continue
-        local = _local(p)
+        local = local_tensor(p)
         if local.shape != chunk.shape:
             raise RuntimeError(
                 f"Parameter {names[0]!r}: the chunk built for this rank has shape {tuple(chunk.shape)} but the"
@@ -159,10 +160,6 @@ def materialize_meta_(module: nn.Module, device: torch.device,
             fsdp_param.reset_sharded_param()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _reset_bottom_up(module: nn.Module, fresh: set[int], buffers_fresh: set[int], owners: Mapping[int, list]) -> None:
     initialised: set[int] = set()
 
@@ -179,11 +176,11 @@ def _reset_bottom_up(module: nn.Module, fresh: set[int], buffers_fresh: set[int]
             # hold this rank's chunk of the one-process model or of a checkpoint, and their
             # reset_parameters() drew new weights over those (a new-user trial: stage 3 + "delayed"
             # started a from_pretrained model from random Linears, 0.18 from the file).
-            kept = [(p, _local(p).clone()) for p in m.parameters() if id(p) not in fresh]
+            kept = [(p, local_tensor(p).clone()) for p in m.parameters() if id(p) not in fresh]
             reset()
             with torch.no_grad():
                 for p, value in kept:
-                    _local(p).copy_(value)
+                    local_tensor(p).copy_(value)
             initialised.update(id(p) for p in m.parameters())
 
     with warnings.catch_warnings():
