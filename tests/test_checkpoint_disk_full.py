@@ -3,6 +3,8 @@ checkpoint and leaves no half-written one behind ([Note: a save that cannot comp
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -146,3 +148,66 @@ def test_resuming_a_weights_only_checkpoint_says_so_as_lightning_does(tmp_path):
     for message in spawn(_weights_only_resume, world_size=2, args=(str(tmp_path / "ckpt"),), timeout=180):
         assert "checkpoint contains only the model" not in message  # the path is named in between
         assert "contains only the model. This is probably due to `ModelCheckpoint.save_weights_only`" in message
+
+
+
+class _Killed(BaseException):
+    """The process ending at that point (not an Exception: nothing may catch it)."""
+
+
+def _kill_at(monkeypatch, module, name: str, call: int) -> None:
+    original, calls = getattr(module, name), []
+
+    def patched(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == call:
+            raise _Killed(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, patched)
+
+
+def _killed_while_replacing(tmp_path: Path, monkeypatch, can_swap: bool) -> Path:
+    """last.ckpt holds 1.0, a complete save of 2.0 is staged; the process ends at the replace's second
+    rename or first removal, whichever comes first."""
+    from lightning_ampzero.checkpoint import sharded
+
+    path = tmp_path / "last.ckpt"
+    sharded.save_sharded(path, _state(1, 1.0), {"step": 1}, is_global_zero=True)
+    replace = sharded._replace_dir
+    monkeypatch.setattr(sharded, "_replace_dir", lambda src, dst: None)  # stop at the staged save
+    sharded.save_sharded(path, _state(1, 2.0), {"step": 2}, is_global_zero=True)
+    assert sharded.is_sharded_checkpoint(path) and (sharded.incomplete_path(path) / "meta.pt").is_file()
+    if not can_swap:
+        monkeypatch.setattr(sharded, "_exchange", lambda a, b: False)  # NFS, FUSE: two renames
+    _kill_at(monkeypatch, os, "replace", 2)
+    _kill_at(monkeypatch, shutil, "rmtree", 1)
+    with pytest.raises(_Killed):
+        replace(sharded.incomplete_path(path), path)
+    monkeypatch.undo()
+    return path
+
+
+def test_a_process_killed_while_replacing_a_checkpoint_leaves_a_complete_one_under_its_name(tmp_path, monkeypatch):
+    # [Note: replacing a checkpoint] Rank 0 killed between the two renames left no last.ckpt, and
+    # fit(ckpt_path="last") started from step 0 (a new-user trial).
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_ampzero.checkpoint.sharded import is_sharded_checkpoint
+
+    path = _killed_while_replacing(tmp_path, monkeypatch, can_swap=True)
+    assert is_sharded_checkpoint(path), sorted(p.name for p in tmp_path.iterdir())
+    loaded = {"state_dict": {"w": torch.zeros(MiB // 4)}}
+    dcp.load(loaded, checkpoint_id=path)
+    assert float(loaded["state_dict"]["w"][0]) == 2.0
+
+
+def test_where_paths_cannot_be_swapped_a_replace_killed_midway_names_the_complete_previous_checkpoint(
+        tmp_path, monkeypatch):
+    from lightning_ampzero.checkpoint.sharded import _check_loadable
+
+    path = _killed_while_replacing(tmp_path, monkeypatch, can_swap=False)
+    assert not path.exists()
+    with pytest.raises(FileNotFoundError, match=r"complete in .*last\.ckpt\.old; rename that to last\.ckpt") as e:
+        _check_loadable(path)
+    assert "holds meta.pt" in str(e.value)  # the staged save is complete too

@@ -19,8 +19,10 @@ rank ([Note: a save that cannot complete]).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -218,19 +220,54 @@ def _kept(path: Path) -> str:
     return f"; the previous checkpoint {path} is kept" if is_sharded_checkpoint(path) else ""
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where that is not offered."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):  # a filesystem without it (NFS, FUSE)
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
 def _replace_dir(src: Path, dst: Path) -> None:
-    """Move ``src`` to ``dst``; an existing ``dst`` is removed only once ``src`` is in place."""
+    """Move ``src`` to ``dst``; an existing ``dst`` is removed only once ``src`` is in place.
+
+    [Note: replacing a checkpoint] A directory cannot be renamed over a non-empty one, and two
+    renames (``dst`` aside, then ``src`` in) leave a moment with no ``dst``: a rank 0 killed there
+    left no ``last.ckpt``, and ``fit(ckpt_path="last")`` trained from step 0 with only Lightning's
+    warning (a new-user trial). Where the filesystem can swap two paths in one step (Linux: ext4,
+    xfs, btrfs, tmpfs), ``dst`` always names a complete checkpoint, the old one or the new; the
+    two renames remain for the others, and the old one is then at ``<dst>.old`` (_check_loadable says so).
+    """
     if dst.is_file():
         dst.unlink()
+    if dst.exists() and _exchange(src, dst):
+        shutil.rmtree(src)  # now the previous checkpoint
+        return
     old = None
     if dst.exists():
-        old = dst.with_name(dst.name + ".old")
+        old = _previous(dst)
         if old.exists():
             shutil.rmtree(old)
         os.replace(dst, old)
     os.replace(src, dst)
     if old is not None:
         shutil.rmtree(old)
+
+
+def _previous(path: Path) -> Path:
+    return path.with_name(path.name + ".old")
 
 
 def _readable_weights_file(path: Path) -> bool:
@@ -249,7 +286,14 @@ def _check_loadable(path: Path) -> None:
     if path.name.endswith(INCOMPLETE_SUFFIX):
         raise ValueError(
             f"{path} is an interrupted save (its name ends in {INCOMPLETE_SUFFIX!r}: the process stopped"
-            " before every rank had written its shards). Resume from the previous complete checkpoint."
+            " before the save completed). Resume from the previous complete checkpoint."
+        )
+    if not path.exists() and is_sharded_checkpoint(_previous(path)):  # [Note: replacing a checkpoint]
+        raise FileNotFoundError(
+            f"{path} does not exist: the process stopped while replacing it. The checkpoint it held is complete"
+            f" in {_previous(path)}; rename that to {path.name} to resume from it"
+            + (f" (the new save, in {incomplete_path(path)}, may be complete too: it is if it holds"
+               f" {METADATA_FILE})." if incomplete_path(path).exists() else ".")
         )
     if not path.exists() and incomplete_path(path).exists():
         raise FileNotFoundError(
