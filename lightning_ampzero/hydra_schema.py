@@ -460,6 +460,7 @@ def explain_error(exc: BaseException) -> Optional[str]:
             schema = f" ({kind})" if kind else ""
             return (f"Unknown config key '{full_key}': {owner}{schema} has no key '{key}'."
                     f"{_did_you_mean(key, candidates)}{_elsewhere(key, where)}{_zero_node(str(full_key))}"
+                    f"{_own_node(key, where)}"
                     + (f" Keys: {', '.join(sorted(candidates))}." if candidates else ""))
         if isinstance(err, ValidationError):
             full_key = getattr(err, "full_key", None)
@@ -484,6 +485,24 @@ def _elsewhere(key: str, where: str) -> str:
     nodes = [name for name, cls in _node_types().items()
              if name != where and dataclasses.is_dataclass(cls) and key in {f.name for f in dataclasses.fields(cls)}]
     return f" It is a key of '{nodes[0]}': {nodes[0]}.{key}." if len(nodes) == 1 else ""
+
+
+# How each node that is a keyword of AmpZeroStrategy (compile=True, offload_optimizer=...) is set here.
+_NODE_EXAMPLES = {
+    "compile": "compile.enabled=true",
+    "precision": "precision=bf16-mixed (a config group)",
+    "offload": "offload.offload_optimizer=cpu, or strategy=zero3_offload",
+    "activation_checkpointing": "activation_checkpointing=full (a config group)",
+    "fp8": "fp8=tensorwise (a config group)",
+}
+
+
+def _own_node(key: str, where: str) -> str:
+    """" 'compile' is a node of its own here: compile.enabled=true." for ``strategy.compile=true``
+    (``AmpZeroStrategy(compile=True)`` in Python; a new-user trial wrote it so)."""
+    if not where or key not in _NODE_EXAMPLES:
+        return ""
+    return f" '{key}' is a node of its own here, not a key of '{where}': {_NODE_EXAMPLES[key]}."
 
 
 def _keys_of(object_type: Any, parent: Any) -> list[str]:

@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generator, Mapping, Optional, Union
+from typing import Any, Callable, Generator, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
@@ -73,7 +73,7 @@ from lightning_ampzero.precision.plugin import AmpZeroPrecision
 from lightning_ampzero.host_memory import keep_freed_host_memory
 from lightning_ampzero.keywords import _keyword_signature, resolve_config
 from lightning_ampzero.process import release_process_groups
-from lightning_ampzero.torch_compile import apply_compile
+from lightning_ampzero.torch_compile import apply_compile, compile_note
 from lightning_ampzero.hf import load_pending_pretrained, refuse_own_save_pretrained
 from lightning_ampzero.sigterm import AsyncSigtermBroadcast, sigterm_notifier
 from lightning_ampzero.watchdog import start_watchdog, stop_watchdog
@@ -345,6 +345,16 @@ class AmpZeroStrategy(ParallelStrategy):
         if self.imported is not None:
             self.imported.install_optimizers(model)
 
+    def _say_once(self, note: Optional[str], say: Callable[[str], Any] = rank_zero_warn) -> None:
+        if note is not None and note not in self._said:
+            self._said.add(note)
+            say(note)
+
+    def _compile(self, module: torch.nn.Module) -> None:
+        self.compiled = apply_compile(module, self.config.compile)
+        if self.compiled:
+            self._say_once(compile_note(module, self.compiled, self.config.compile), rank_zero_info)
+
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -353,9 +363,7 @@ class AmpZeroStrategy(ParallelStrategy):
         # Once per strategy, not at each of fit, validate and test (a trial saw the FP8 note three times).
         for note in (fp8_device_note(self.config.fp8, self.root_device),
                      overlap_comm_note(self.config.zero, torch.distributed.get_backend())):
-            if note is not None and note not in self._said:
-                self._said.add(note)
-                rank_zero_warn(note)
+            self._say_once(note)
         module = self.model
         self._ddp_interrupted = False  # a new fit wraps a new DDP
         params = list(module.parameters())
@@ -378,7 +386,7 @@ class AmpZeroStrategy(ParallelStrategy):
             # cannot broadcast the FP8 all-gather wrapper, and has no all-gather anyway.
             module = convert_to_fp8(module, self.config.fp8, fp8_all_gather=False)
             self._apply_activation_checkpointing(module)
-            self.compiled = apply_compile(module, self.config.compile)  # [compile] after AC, before DDP
+            self._compile(module)  # [compile] after AC, before DDP
             module.to(self.root_device)
             self.model = self._wrap_ddp(module)
             # [precision] DDP has no mixed-precision policy: the plugin adds "-true" compute copies
@@ -397,7 +405,7 @@ class AmpZeroStrategy(ParallelStrategy):
             module = convert_to_fp8(module, self.config.fp8)
             self._apply_activation_checkpointing(module)
             # [compile] each block, after checkpointing and before sharding ([Note: compile order]).
-            self.compiled = apply_compile(module, self.config.compile)
+            self._compile(module)
             # [offload] parameter shards in host memory (stage 3; on CPU a no-op, with a warning).
             offload_policy = offload_setup.param_offload_policy(self.config.offload, self.root_device, rank_zero_warn)
             move_real_tensors_(module, self.root_device)  # meta parameters stay for materialize_meta_

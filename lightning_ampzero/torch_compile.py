@@ -28,7 +28,7 @@ from lightning_ampzero.activation.apply import CacheArguments, _CheckpointedForw
 from lightning_ampzero.config import CompileConfig
 from lightning_ampzero.zero.units import find_blocks
 
-__all__ = ["apply_compile", "compiled_blocks"]
+__all__ = ["apply_compile", "compile_note", "compiled_blocks"]
 
 
 def _check_backend(backend: str) -> None:
@@ -56,7 +56,8 @@ def compiled_blocks(model: nn.Module) -> list[str]:
 # block therefore runs without the cache object, as a checkpointed block does ([Note: a cache
 # inside a checkpointed block] in activation/apply.py): one graph for every layer, and nothing
 # else changes, since training reads no cache (the model's returned cache is empty). Evaluation and
-# generation (no gradients) keep it.
+# generation (no gradients) keep it, and so run the block eagerly (_EvalWithCache): compiled, each
+# layer again recompiled until the limit (a trial's 10-layer Llama validating at stage 3).
 class _TrainingForward:
     """A compiled block's ``forward``: without a key/value cache object when gradients are on (the Note)."""
 
@@ -68,6 +69,19 @@ class _TrainingForward:
         if torch.is_grad_enabled():
             args, kwargs, _ = self.cache.dropped(args, kwargs)
         return self.original(*args, **kwargs)
+
+
+class _EvalWithCache:
+    """A compiled block's call (``_compiled_call_impl``): eager when a cache object comes without gradients (the Note)."""
+
+    def __init__(self, block: nn.Module, compiled: Callable) -> None:
+        self.block, self.compiled = block, compiled
+        self.cache = block.forward.cache  # the forward's own signature (it wraps the block's original forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() and self.cache.given(args, kwargs):
+            return self.block._call_impl(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
 
 
 def apply_compile(model: nn.Module, config: CompileConfig) -> list[str]:
@@ -95,6 +109,15 @@ def apply_compile(model: nn.Module, config: CompileConfig) -> list[str]:
             if not isinstance(block.__dict__.get("forward"), (_CheckpointedForward, _TrainingForward)):
                 block.forward = _TrainingForward(block, block.forward)  # checkpointed: it drops the cache itself
             block.compile(**options)
+            block._compiled_call_impl = _EvalWithCache(block, block._compiled_call_impl)
         names.append(name)
     return names
 
+
+
+def compile_note(model: nn.Module, names: list[str], config: CompileConfig) -> str:
+    """What was compiled, said at setup: otherwise nothing in a plain Trainer script told a compiled run
+    from an eager one, and its first step's minutes of compiling read as a hang (new-user trial)."""
+    classes = sorted({type(model.get_submodule(name)).__name__ for name in names})
+    return (f"torch.compile ({config.backend}): {len(names)} block(s) of {', '.join(classes)}. Each class compiles"
+            " at its first training step and its first evaluation: seconds to a few minutes on CPU, then cached.")

@@ -178,8 +178,16 @@ def test_a_hugging_face_decoder_compiles_one_graph_for_all_its_layers(ac):
         assert got.item() == pytest.approx(ref.item(), rel=1e-5)
         for p, q in zip(model.parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
-        with torch.no_grad():  # evaluation and generation keep their cache
-            assert model(input_ids=x, use_cache=True).past_key_values.get_seq_length() == 16
+        with torch.no_grad():  # evaluation and generation keep their cache, and run eagerly with it
+            out = model(input_ids=x, use_cache=True)
+            assert out.past_key_values.get_seq_length() == 16
+            torch.testing.assert_close(out.logits, eager(input_ids=x, use_cache=True).logits, rtol=1e-4, atol=1e-5)
+            # Compiled, every layer recompiled for its own layer_idx until dynamo's limit (a trial's
+            # 10-layer Llama validating at stage 3): no graph may be added per layer.
+            assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+            assert not counters["recompiles"], dict(counters["recompiles"])
+            model(input_ids=x, use_cache=False)  # without a cache: compiled, one graph for every layer
+            assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     finally:
         torch._dynamo.reset()
 
@@ -221,6 +229,18 @@ def test_nothing_to_compile_and_unknown_backends_are_errors():
         apply_compile(_gpt(2), CompileConfig(enabled=True, backend="indutor"))
     assert apply_compile(flat, CompileConfig()) == []  # off: untouched
     assert AmpZeroConfig().compile == CompileConfig()
+
+
+def test_the_setup_note_says_what_was_compiled_and_that_the_first_step_compiles():
+    # A plain Trainer script said nothing: a compiled run could not be told from an eager one, and its
+    # first step's compiling read as a hang (a new-user trial).
+    from lightning_ampzero.torch_compile import apply_compile, compile_note
+
+    model, config = _gpt(3), CompileConfig(enabled=True)
+    names = apply_compile(model, config)
+    note = compile_note(model, names, config)
+    assert note.startswith(f"torch.compile (inductor): 3 block(s) of {type(model.get_submodule(names[0])).__name__}.")
+    assert "first training step" in note
 
 
 # ---- Lightning, 2 ranks -------------------------------------------------------------------------

@@ -273,6 +273,9 @@ def test_typed_config_round_trips_through_plain_dict():
                                             "offload.offload_optimizer"]),
         ("offload.nvme_pth=/x", ["offload.nvme_pth", "Did you mean 'nvme_path'"]),
         ("zero.stage=3", ["Unknown config key 'zero'", "ZeRO's settings are the 'strategy' node here"]),
+        # AmpZeroStrategy(compile=True) in Python; written so by a new-user trial.
+        ("strategy.compile=true", ["strategy.compile", "'compile' is a node of its own here", "compile.enabled=true"]),
+        ("strategy.activation_checkpointing=full", ["activation_checkpointing=full (a config group)"]),
         ("strategy=zero3_ofload", ["'zero3_ofload'", "Did you mean 'zero3_offload'"]),
         ("activation_checkpointing=ful", ["'ful'", "config group 'activation_checkpointing'", "Did you mean 'full'"]),
         ("activation_checkpointing.evry_n=2", ["activation_checkpointing.evry_n", "Did you mean 'every_n'"]),

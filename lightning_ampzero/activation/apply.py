@@ -142,6 +142,12 @@ class CacheArguments:
             if param.name in CACHE_KWARGS or param.name == "use_cache":
                 self.positions[i] = param.name
 
+    def given(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a cache object is passed (by keyword or in its position), read-only or not."""
+        return (any(kwargs.get(key) is not None for key in CACHE_KWARGS)
+                or any(name != "use_cache" and i < len(args) and args[i] is not None
+                       for i, name in self.positions.items()))
+
     def dropped(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, dict]:
         """``(args, kwargs, changes)``: the arguments without a cache object; ``changes`` is {} when there was none."""
         if self.read_only:
