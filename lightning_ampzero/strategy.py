@@ -81,9 +81,9 @@ from lightning_ampzero.zero.buffers import sync_batchnorm_layers  # noqa: F401 (
 from lightning_ampzero.zero.averaged import (averaged_targets, pop_averaged_states, prepare_averaging_callbacks,
                                              refuse_whole_model_callbacks, restore_averaged_states,
                                              shard_averaged_copies)
-from lightning_ampzero.zero.apply import (after_manual_step, apply_zero, fsdp_modules, no_sync, overlap_comm_note,
-                                         prepare_manual_backward, register_root_method, gathers_in_other_dtypes,
-                                         reshard_stale, run_outside_steps_in)
+from lightning_ampzero.zero.apply import (after_manual_step, apply_zero, fsdp_modules, gathers_in_other_dtypes,
+                                         hpz_note, no_sync, overlap_comm_note, prepare_manual_backward,
+                                         register_root_method, reshard_stale, run_outside_steps_in)
 from lightning_ampzero.zero.init import ZeroInit, take_local_shards
 from lightning_ampzero.zero.recover import in_step_method
 from lightning_ampzero.zero.scalars import prepare_parameters_
@@ -364,6 +364,7 @@ class AmpZeroStrategy(ParallelStrategy):
         for note in (fp8_device_note(self.config.fp8, self.root_device),
                      overlap_comm_note(self.config.zero, torch.distributed.get_backend())):
             self._say_once(note)
+        self._say_once(hpz_note(self.config.zero, self.world_size), rank_zero_info)
         module = self.model
         self._ddp_interrupted = False  # a new fit wraps a new DDP
         params = list(module.parameters())

@@ -126,6 +126,16 @@ def test_config_errors_name_the_field_and_allowed_values():
     assert AmpZeroConfig.from_dict({"zero": {"stage": 1}}).zero.stage == 1
 
 
+def test_hpz_over_every_process_is_said_to_be_plain_stage_3():
+    # A trial's hpz_partition_size=2 on 2 processes trained exactly as stage 3, with no word of it.
+    from lightning_ampzero.zero.apply import hpz_note
+
+    note = hpz_note(ZeroConfig(stage=3, hpz_partition_size=2), world_size=2)
+    assert note is not None and "hpZ changes nothing here" in note and "processes per node" in note
+    assert hpz_note(ZeroConfig(stage=3, hpz_partition_size=2), world_size=4) is None  # groups of 2: it acts
+    assert hpz_note(ZeroConfig(stage=3), world_size=2) is None
+
+
 def test_strategy_arguments_are_the_config_fields():
     from lightning_ampzero.strategy import AmpZeroStrategy
 

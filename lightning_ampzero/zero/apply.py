@@ -359,6 +359,16 @@ def overlap_comm_note(cfg: ZeroConfig, backend: str) -> Optional[str]:
             " drop the setting to silence this warning.")
 
 
+def hpz_note(cfg: ZeroConfig, world_size: int) -> Optional[str]:
+    """Why ``zero.hpz_partition_size`` changes nothing here, or None where it acts (a trial saw no sign either way)."""
+    if cfg.stage != 3 or cfg.hpz_partition_size <= 1 or cfg.hpz_partition_size != world_size:
+        return None
+    return (f"zero.hpz_partition_size={cfg.hpz_partition_size} equals the number of processes, so the copy kept"
+            " for backward is sharded over all of them, as plain stage 3 shards it: hpZ changes nothing here. It"
+            " keeps backward's all-gathers inside a node when set to the processes per node, with several nodes."
+            " Units under zero.param_persistence_threshold stay gathered either way.")
+
+
 def _prefetch_forward_on_gloo(model: nn.Module, groups: list[Unit]) -> None:
     """Below stage 3 on gloo: each group's all-gather starts as the group before it starts its forward.
 
