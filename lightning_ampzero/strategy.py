@@ -61,7 +61,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_ampzero.checkpoint.at_exception import ExceptionSaveGate
-from lightning_ampzero.checkpoint.sharded import load_full_file, load_sharded, save_sharded
+from lightning_ampzero.checkpoint.sharded import interrupted_saves_note, load_full_file, load_sharded, save_sharded
 from lightning_ampzero.activation import apply_activation_checkpointing
 from lightning_ampzero.config import AmpZeroConfig, stage0_bucket_mb
 from lightning_ampzero.fp8 import convert_to_fp8, fp8_optimizers
@@ -843,6 +843,8 @@ class AmpZeroStrategy(ParallelStrategy):
             checkpoint, loaded = load_sharded(path, self._state_module(), optimizers,
                                               strict=self.lightning_module.strict_loading, weights_only=weights_only,
                                               extra=averaged_targets(callbacks, self._model_state))
+            if self.is_global_zero:
+                self._say_once(interrupted_saves_note(path))
             restore_averaged_states(callbacks, checkpoint, loaded, self._model_state)
             return checkpoint
         finally:

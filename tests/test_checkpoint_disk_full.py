@@ -211,3 +211,18 @@ def test_where_paths_cannot_be_swapped_a_replace_killed_midway_names_the_complet
     with pytest.raises(FileNotFoundError, match=r"complete in .*last\.ckpt\.old; rename that to last\.ckpt") as e:
         _check_loadable(path)
     assert "holds meta.pt" in str(e.value)  # the staged save is complete too
+
+
+def test_resuming_beside_an_interrupted_save_says_it_is_there_and_what_to_do(tmp_path):
+    # A killed save's .incomplete directory stayed unmentioned when the resumed run saved under other
+    # names (a trial: 121 MB).
+    from lightning_ampzero.checkpoint import sharded
+
+    path = tmp_path / "epoch=0-step=5.ckpt"
+    sharded.save_sharded(path, _state(1, 1.0), {"step": 5}, is_global_zero=True)
+    assert sharded.interrupted_saves_note(path) is None
+    partial = tmp_path / "epoch=0-step=10.ckpt.incomplete"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"x" * 3 * MiB)
+    note = sharded.interrupted_saves_note(path)
+    assert note is not None and "epoch=0-step=10.ckpt.incomplete (3.0 MiB)" in note and "delete them" in note, note
