@@ -286,13 +286,13 @@ def interrupted_saves_note(path: Path) -> Optional[str]:
     """The interrupted saves beside ``path``, or None. A killed save's ``.incomplete`` directory is
     removed only by a later save to the same name; resumed with other names (another
     ``every_n_train_steps``), it stayed, unmentioned (a trial: 121 MB)."""
-    try:
+    try:  # a note: nothing here may stop the load (a directory another process is changing)
         left = sorted(p for p in path.parent.glob("*" + INCOMPLETE_SUFFIX) if p.is_dir())
+        sizes = [sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in left]
     except OSError:
         return None
     if not left:
         return None
-    sizes = [sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in left]
     listed = ", ".join(f"{p.name} ({format_bytes(n)})" for p, n in zip(left, sizes))
     return (f"{len(left)} interrupted save(s) beside {path.name}: {listed}, in {path.parent}. They are not"
             " checkpoints (loading one is refused) and only a later save to the same name replaces one:"
