@@ -180,6 +180,19 @@ def test_safe_modules_are_exact_class_names_and_never_tied():
     assert set(per_module) == {model.proj}
 
 
+def test_a_module_with_a_forward_pre_hook_is_not_a_safe_module():
+    # torch.nn.utils' hook-based spectral_norm computes the weight from its parameters before the
+    # forward, outside autocast: gathered in bf16 at stage 3 it stopped on "addmv input tensors
+    # must have the same dtype", and weight_norm normalized bf16 copies (a new-user trial).
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 4)), nn.utils.weight_norm(nn.Linear(4, 4)),
+                          nn.Linear(4, 4))
+    for stage in (2, 3):
+        _, per_module = fsdp_policies(dtype_plan("bf16-mixed", PrecisionConfig()), model, stage)
+        assert set(per_module) == {model[2]}
+    assert set(ddp_reduce_dtypes(dtype_plan("bf16-mixed", PrecisionConfig()), model)) == {
+        id(p) for p in model[2].parameters()}
+
+
 def test_ddp_reduce_dtypes():
     model = _gpt()
     ln = {id(p) for n, p in model.named_parameters() if "ln" in n or "wte" in n or "wpe" in n}

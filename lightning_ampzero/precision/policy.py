@@ -134,12 +134,15 @@ def safe_modules(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[s
     Exact names on purpose: some Linear subclasses are used by their parent through their
     parameters, never called (``nn.MultiheadAttention.out_proj``), and a module that is never
     called would never have its FSDP2 unit gathered. A module whose parameters are shared with
-    a module outside it (tied weights) is left to its block as well.
+    a module outside it (tied weights) is left to its block as well, and so is one with a forward
+    pre-hook: such a hook computes from the parameters outside autocast (torch.nn.utils'
+    hook-based ``spectral_norm`` mixed the bf16-gathered weight with its fp32 vectors and
+    stopped at stage 3, and ``weight_norm`` silently normalized bf16 copies: a new-user trial).
     """
     if not class_names:
         return []
     chosen = [(n, m) for n, m in model.named_modules() if _named_class(type(m), class_names) and m is not model
-              and any(True for _ in m.parameters())]
+              and any(True for _ in m.parameters()) and not m._forward_pre_hooks]
     inside = {id(sub) for _, m in chosen for sub in m.modules()}
     outside_params = {id(p) for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
     return [(n, m) for n, m in chosen if not any(id(p) in outside_params for p in m.parameters())]
