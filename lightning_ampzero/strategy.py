@@ -128,6 +128,20 @@ SHARD_IN_LOSS = (
 )
 
 
+# The same shard, read in training_step before a forward and turned into another tensor: Lightning's
+# own LightningLSTM demo makes its hidden state with ``next(self.parameters()).new_zeros(...)``, a
+# DTensor at stage 3, and stopped in the LSTM on torch's "aten.mkldnn_rnn_layer.default got mixed
+# torch.Tensor and DTensor" (a new-user trial).
+MIXED_IN_STEP = (
+    "An operation in training_step mixed a plain tensor with a DTensor (torch's message is above). At stage 3, and at"
+    " stages 1-2 in a model split into several units, a parameter read outside its module's forward is this rank's"
+    " shard, a DTensor, and so is every tensor made from it: a hidden state made with"
+    " `next(self.parameters()).new_zeros(...)` (Lightning's LightningLSTM demo), or `weight.new_tensor(...)`. Make"
+    " such tensors with torch.zeros(..., device=self.device), a plain tensor as under DDP, or inside the module's"
+    " forward, where its parameters are whole. A loss term computed from a parameter takes `term.full_tensor()`."
+)
+
+
 #: Seconds the strategy's launcher waits, once a child rank has ended on an error, before it kills
 #: the other ranks ([Note: a launcher that lets the live ranks report]).
 LAUNCHER_GRACE_S = 4.0
@@ -580,6 +594,8 @@ class AmpZeroStrategy(ParallelStrategy):
         try:
             return super().training_step(*args, **kwargs)
         except RuntimeError as error:
+            if self.stage != 0 and "got mixed torch.Tensor and DTensor" in str(error):
+                raise RuntimeError(MIXED_IN_STEP) from error
             if self.stage != 0 or "Expected to have finished reduction in the prior iteration" not in str(error):
                 raise
             raise RuntimeError(

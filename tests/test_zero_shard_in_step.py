@@ -9,6 +9,7 @@ the model in several units) holds its shard.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from _scripts import run_json, run_script_failing
 
@@ -43,3 +44,29 @@ def test_the_whole_value_of_a_penalty_on_a_shard_trains_as_under_ddp(tmp_path, p
                 assert run["params"][name] == pytest.approx(values, abs=1e-6), name
     else:  # bf16 rounding, amplified by AdamW's normalised step on near-zero gradients
         assert ours["penalties"] == pytest.approx(ref["penalties"], rel=1e-3)
+
+
+def test_a_tensor_made_from_a_shard_in_training_step_is_explained():
+    # Lightning's own LightningLSTM demo makes its hidden state with next(self.parameters()).new_zeros(...):
+    # a DTensor at stage 3, and the LSTM stopped on torch's bare "aten.mkldnn_rnn_layer.default got mixed
+    # torch.Tensor and DTensor" (a new-user trial). One process: FSDP2 shards over a mesh of one.
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.lstm import LightningLSTM
+    from torch.utils.data import DataLoader
+
+    class Demo(LightningLSTM):
+        def prepare_data(self):  # WikiText2 would download
+            pass
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(0)
+            data = [(torch.randint(0, 50, (8,), generator=g), torch.randint(0, 50, (8,), generator=g))
+                    for _ in range(4)]
+            return DataLoader(data, batch_size=2)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="ampzero_stage_3", max_steps=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with pytest.raises(RuntimeError, match=r"new_zeros\(\.\.\.\)` \(Lightning's LightningLSTM demo\)") as info:
+        trainer.fit(Demo(vocab_size=50))
+    assert "got mixed torch.Tensor and DTensor" in str(info.value.__cause__)
+    assert "torch.zeros(..., device=self.device)" in str(info.value)
