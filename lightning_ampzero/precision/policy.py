@@ -134,18 +134,27 @@ def safe_modules(model: nn.Module, class_names: tuple[str, ...]) -> list[tuple[s
     Exact names on purpose: some Linear subclasses are used by their parent through their
     parameters, never called (``nn.MultiheadAttention.out_proj``), and a module that is never
     called would never have its FSDP2 unit gathered. A module whose parameters are shared with
-    a module outside it (tied weights) is left to its block as well, and so is one with a forward
-    pre-hook: such a hook computes from the parameters outside autocast (torch.nn.utils'
-    hook-based ``spectral_norm`` mixed the bf16-gathered weight with its fp32 vectors and
-    stopped at stage 3, and ``weight_norm`` silently normalized bf16 copies: a new-user trial).
+    a module outside it (tied weights) is left to its block as well, and so is one that
+    torch.nn.utils' hook-based ``weight_norm`` / ``spectral_norm`` reparametrizes: their forward
+    pre-hook computes the weight from the parameters outside autocast (``spectral_norm`` mixed
+    the bf16-gathered weight with its fp32 vectors and stopped at stage 3, and ``weight_norm``
+    silently normalized bf16 copies: a new-user trial). Only those hooks: the strategy's own
+    hooks on these modules must not change the choice when it is made again (a second fit).
     """
     if not class_names:
         return []
     chosen = [(n, m) for n, m in model.named_modules() if _named_class(type(m), class_names) and m is not model
-              and any(True for _ in m.parameters()) and not m._forward_pre_hooks]
+              and any(True for _ in m.parameters()) and not _reparametrized_by_hook(m)]
     inside = {id(sub) for _, m in chosen for sub in m.modules()}
     outside_params = {id(p) for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
     return [(n, m) for n, m in chosen if not any(id(p) in outside_params for p in m.parameters())]
+
+
+def _reparametrized_by_hook(module: nn.Module) -> bool:
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return any(isinstance(hook, (WeightNorm, SpectralNorm)) for hook in module._forward_pre_hooks.values())
 
 
 def fsdp_policies(plan: DtypePlan, model: nn.Module, stage: int) -> tuple[object, dict[nn.Module, object]]:
