@@ -489,7 +489,7 @@ def _elsewhere(key: str, where: str) -> str:
 
 # How each node that is a keyword of AmpZeroStrategy (compile=True, offload_optimizer=...) is set here.
 _NODE_EXAMPLES = {
-    "compile": "compile.enabled=true",
+    "compile": "compile.enabled=true (or false)",
     "precision": "precision=bf16-mixed (a config group)",
     "offload": "offload.offload_optimizer=cpu, or strategy=zero3_offload",
     "activation_checkpointing": "activation_checkpointing=full (a config group)",

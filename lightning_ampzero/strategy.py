@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -61,7 +60,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_ampzero.checkpoint.at_exception import ExceptionSaveGate
-from lightning_ampzero.checkpoint.sharded import interrupted_saves_note, load_full_file, load_sharded, save_sharded
+from lightning_ampzero.checkpoint.sharded import (interrupted_saves_note, load_full_file, load_sharded,
+                                                 remove_checkpoint_dir, save_sharded)
 from lightning_ampzero.activation import apply_activation_checkpointing
 from lightning_ampzero.config import AmpZeroConfig, stage0_bucket_mb
 from lightning_ampzero.fp8 import convert_to_fp8, fp8_optimizers
@@ -379,6 +379,7 @@ class AmpZeroStrategy(ParallelStrategy):
                      overlap_comm_note(self.config.zero, torch.distributed.get_backend())):
             self._say_once(note)
         self._say_once(hpz_note(self.config.zero, self.world_size), rank_zero_info)
+        self._loaded_sharded = False  # load_checkpoint sets it (Lightning restores after setup)
         module = self.model
         self._ddp_interrupted = False  # a new fit wraps a new DDP
         params = list(module.parameters())
@@ -717,6 +718,15 @@ class AmpZeroStrategy(ParallelStrategy):
 
     def on_train_start(self) -> None:
         super().on_train_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and self.is_global_zero and not getattr(self, "_loaded_sharded", True):
+            # A fit from scratch beside a killed run's saves: ckpt_path="last" finds no last.ckpt when the
+            # kill came in the first one's save, and Lightning then starts from step 0 (a new-user trial).
+            for directory in {str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}:
+                note = interrupted_saves_note(Path(directory))
+                if note is not None:
+                    self._say_once("This fit starts from step 0 (no checkpoint was loaded). If it should continue a"
+                                   " killed run, pass ckpt_path=<a complete checkpoint>. " + note)
         if self.imported is not None and self.lightning_module is not None:
             trainer = self.lightning_module.trainer
             self.imported.check_dataloader(trainer)
@@ -859,8 +869,9 @@ class AmpZeroStrategy(ParallelStrategy):
             checkpoint, loaded = load_sharded(path, self._state_module(), optimizers,
                                               strict=self.lightning_module.strict_loading, weights_only=weights_only,
                                               extra=averaged_targets(callbacks, self._model_state))
+            self._loaded_sharded = True
             if self.is_global_zero:
-                self._say_once(interrupted_saves_note(path))
+                self._say_once(interrupted_saves_note(path.parent, beside=path.name))
             restore_averaged_states(callbacks, checkpoint, loaded, self._model_state)
             return checkpoint
         finally:
@@ -889,7 +900,7 @@ class AmpZeroStrategy(ParallelStrategy):
         if self.is_global_zero:
             path = Path(filepath)
             if path.is_dir():
-                shutil.rmtree(path)
+                remove_checkpoint_dir(path)
             elif path.exists():
                 path.unlink()
 

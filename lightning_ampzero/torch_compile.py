@@ -120,4 +120,5 @@ def compile_note(model: nn.Module, names: list[str], config: CompileConfig) -> s
     from an eager one, and its first step's minutes of compiling read as a hang (new-user trial)."""
     classes = sorted({type(model.get_submodule(name)).__name__ for name in names})
     return (f"torch.compile ({config.backend}): {len(names)} block(s) of {', '.join(classes)}. Each class compiles"
-            " at its first training step and its first evaluation: seconds to a few minutes on CPU, then cached.")
+            " at its first training step (and its first evaluation without a key/value cache; with one, a block"
+            " runs eagerly): seconds to a few minutes on CPU, then cached.")

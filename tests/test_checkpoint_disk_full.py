@@ -226,9 +226,30 @@ def test_resuming_beside_an_interrupted_save_says_it_is_there_and_what_to_do(tmp
 
     path = tmp_path / "epoch=0-step=5.ckpt"
     sharded.save_sharded(path, _state(1, 1.0), {"step": 5}, is_global_zero=True)
-    assert sharded.interrupted_saves_note(path) is None
+    assert sharded.interrupted_saves_note(tmp_path, beside=path.name) is None
     partial = tmp_path / "epoch=0-step=10.ckpt.incomplete"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"x" * 3 * MiB)
-    note = sharded.interrupted_saves_note(path)
+    (tmp_path / "last.ckpt.incomplete").mkdir()  # killed before writing anything
+    note = sharded.interrupted_saves_note(tmp_path, beside=path.name)
     assert note is not None and "epoch=0-step=10.ckpt.incomplete (3.0 MiB)" in note and "delete them" in note, note
+    assert "last.ckpt.incomplete (empty)" in note, note
+    # A replace killed between its two renames (no swap): the complete previous checkpoint at .old,
+    # where ckpt_path="last" does not look.
+    os.replace(path, tmp_path / "last.ckpt.old")
+    note = sharded.interrupted_saves_note(tmp_path)
+    assert "last.ckpt.old is a complete checkpoint" in note and "rename it to last.ckpt" in note, note
+
+
+def test_a_checkpoint_removal_killed_part_way_leaves_a_name_that_says_so(tmp_path, monkeypatch):
+    # A trial's rank 0 killed inside ModelCheckpoint's removal of a displaced top-k checkpoint left a
+    # half-deleted epoch=0-step=5.ckpt, under a checkpoint's name.
+    from lightning_ampzero.checkpoint import sharded
+
+    path = tmp_path / "epoch=0-step=5.ckpt"
+    sharded.save_sharded(path, _state(1, 1.0), {"step": 5}, is_global_zero=True)
+    _kill_at(monkeypatch, shutil, "rmtree", 1)
+    with pytest.raises(_Killed):
+        sharded.remove_checkpoint_dir(path)
+    monkeypatch.undo()
+    assert not path.exists() and sharded.incomplete_path(path).is_dir()

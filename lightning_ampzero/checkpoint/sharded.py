@@ -282,21 +282,44 @@ def _readable_weights_file(path: Path) -> bool:
     return head[:1] == b"\x80" or (len(head) == 9 and head[8:9] == b"{")
 
 
-def interrupted_saves_note(path: Path) -> Optional[str]:
-    """The interrupted saves beside ``path``, or None. A killed save's ``.incomplete`` directory is
-    removed only by a later save to the same name; resumed with other names (another
-    ``every_n_train_steps``), it stayed, unmentioned (a trial: 121 MB)."""
-    try:  # a note: nothing here may stop the load (a directory another process is changing)
-        left = sorted(p for p in path.parent.glob("*" + INCOMPLETE_SUFFIX) if p.is_dir())
+def interrupted_saves_note(directory: Path, beside: str = "") -> Optional[str]:
+    """The interrupted saves in ``directory``, or None.
+
+    A killed save's ``.incomplete`` directory is removed only by a later save to the same name;
+    resumed under other names (another ``every_n_train_steps``), it stayed, unmentioned (a trial:
+    121 MB). A replace killed between its two renames leaves the previous checkpoint, complete, at
+    ``<name>.old`` ([Note: replacing a checkpoint]), where ``ckpt_path="last"`` does not look.
+    """
+    try:  # a note: nothing here may stop the run (a directory another process is changing)
+        left = sorted(p for p in directory.glob("*" + INCOMPLETE_SUFFIX) if p.is_dir())
         sizes = [sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in left]
+        kept = sorted(p for p in directory.glob("*.old") if is_sharded_checkpoint(p)
+                      and not p.with_name(p.name[:-len(".old")]).exists())
     except OSError:
         return None
-    if not left:
+    if not left and not kept:
         return None
-    listed = ", ".join(f"{p.name} ({format_bytes(n)})" for p, n in zip(left, sizes))
-    return (f"{len(left)} interrupted save(s) beside {path.name}: {listed}, in {path.parent}. They are not"
-            " checkpoints (loading one is refused) and only a later save to the same name replaces one:"
-            " delete them once no run is writing there.")
+    where = f" beside {beside}" if beside else ""
+    parts = []
+    if left:
+        listed = ", ".join(f"{p.name} ({format_bytes(n) if n else 'empty'})" for p, n in zip(left, sizes))
+        parts.append(f"{len(left)} interrupted save(s){where}: {listed}, in {directory}. They are not checkpoints"
+                     " (loading one is refused) and only a later save to the same name replaces one: delete them"
+                     " once no run is writing there.")
+    for old in kept:
+        parts.append(f"{old} is a complete checkpoint that a killed save was replacing: rename it to"
+                     f" {old.name[:-len('.old')]} to resume from it.")
+    return " ".join(parts)
+
+
+def remove_checkpoint_dir(path: Path) -> None:
+    """Delete a checkpoint directory, first renamed so that a kill part-way leaves a name that says so
+    (a trial's rank 0 killed inside the removal left a half-deleted ``epoch=0-step=5.ckpt``)."""
+    doomed = incomplete_path(path)
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
 
 
 def _check_loadable(path: Path) -> None:
