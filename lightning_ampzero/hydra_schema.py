@@ -465,7 +465,9 @@ def explain_error(exc: BaseException) -> Optional[str]:
         if isinstance(err, ValidationError):
             full_key = getattr(err, "full_key", None)
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            return f"Invalid value for '{full_key}': {first}"
+            node = (f" '{full_key}' is a node of keys, not a value: {_NODE_EXAMPLES[str(full_key)]}."
+                    if str(full_key) in ("compile", "offload") else "")  # compile=true, as AmpZeroStrategy(compile=True)
+            return f"Invalid value for '{full_key}': {first}" + ("." if node and not first.endswith(".") else "") + node
     return None
 
 

@@ -276,6 +276,7 @@ def test_typed_config_round_trips_through_plain_dict():
         # AmpZeroStrategy(compile=True) in Python; written so by a new-user trial.
         ("strategy.compile=true", ["strategy.compile", "'compile' is a node of its own here", "compile.enabled=true"]),
         ("strategy.activation_checkpointing=full", ["activation_checkpointing=full (a config group)"]),
+        ("compile=true", ["Invalid value for 'compile'", "'compile' is a node of keys, not a value: compile.enabled=true"]),
         ("strategy=zero3_ofload", ["'zero3_ofload'", "Did you mean 'zero3_offload'"]),
         ("activation_checkpointing=ful", ["'ful'", "config group 'activation_checkpointing'", "Did you mean 'full'"]),
         ("activation_checkpointing.evry_n=2", ["activation_checkpointing.evry_n", "Did you mean 'every_n'"]),
