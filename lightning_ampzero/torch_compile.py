@@ -114,7 +114,6 @@ def apply_compile(model: nn.Module, config: CompileConfig) -> list[str]:
     return names
 
 
-
 def compile_note(model: nn.Module, names: list[str], config: CompileConfig) -> str:
     """What was compiled, said at setup: otherwise nothing in a plain Trainer script told a compiled run
     from an eager one, and its first step's minutes of compiling read as a hang (new-user trial)."""
