@@ -379,7 +379,6 @@ class AmpZeroStrategy(ParallelStrategy):
                      overlap_comm_note(self.config.zero, torch.distributed.get_backend())):
             self._say_once(note)
         self._say_once(hpz_note(self.config.zero, self.world_size), rank_zero_info)
-        self._loaded_sharded = False  # load_checkpoint sets it (Lightning restores after setup)
         module = self.model
         self._ddp_interrupted = False  # a new fit wraps a new DDP
         params = list(module.parameters())
@@ -719,16 +718,16 @@ class AmpZeroStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and self.is_global_zero and not getattr(self, "_loaded_sharded", True):
+        if trainer is not None and self.is_global_zero and trainer.ckpt_path is None:
             # A fit from scratch beside a killed run's saves: ckpt_path="last" finds no last.ckpt when the
             # kill came in the first one's save, and Lightning then starts from step 0 (a new-user trial).
+            # (trainer.ckpt_path: what this fit restored, set by Lightning's resume_start, kept after it.)
             for directory in {str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}:
                 note = interrupted_saves_note(Path(directory))
                 if note is not None:
                     self._say_once("This fit starts from step 0 (no checkpoint was loaded). If it should continue a"
                                    " killed run, pass ckpt_path=<a complete checkpoint>. " + note)
-        if self.imported is not None and self.lightning_module is not None:
-            trainer = self.lightning_module.trainer
+        if self.imported is not None and trainer is not None:
             self.imported.check_dataloader(trainer)
             resolved = self.imported.auto_values(trainer, self.config)
             if resolved:
@@ -869,7 +868,6 @@ class AmpZeroStrategy(ParallelStrategy):
             checkpoint, loaded = load_sharded(path, self._state_module(), optimizers,
                                               strict=self.lightning_module.strict_loading, weights_only=weights_only,
                                               extra=averaged_targets(callbacks, self._model_state))
-            self._loaded_sharded = True
             if self.is_global_zero:
                 self._say_once(interrupted_saves_note(path.parent, beside=path.name))
             restore_averaged_states(callbacks, checkpoint, loaded, self._model_state)
