@@ -743,6 +743,16 @@ class AmpZeroConfig(FromDict):
                 " each checkpointed block that torch.compile cannot trace, so the blocks would silently stay"
                 f" uncompiled. Choose one: turn off activation_checkpointing.{hooked[0]}, or compile.enabled=false."
             )
+        if self.compile.enabled and self.compile.fullgraph and self.fp8.enabled and self.fp8.recipe == "delayed":
+            # New-user trial: dynamo stopped at the first step ("torch.* op returned non-Tensor" in
+            # fp8/scaling.py). The delayed recipe counts each Fp8Linear's forward and backward in
+            # Python to run its once-per-step amax all-reduce, which a graph cannot hold.
+            raise ValueError(
+                "compile.fullgraph=True with fp8.recipe='delayed': the delayed recipe's per-step amax bookkeeping"
+                " runs in Python at each Fp8Linear, which torch.compile cannot put in one graph, so the first step"
+                " would fail. Choose one: fp8.recipe='tensorwise' or 'rowwise' (one graph per block), or"
+                " compile.fullgraph=false (each block is compiled in pieces between its Fp8Linears)."
+            )
         if self.fp8.enabled and self.fp8.msamp != "none" and self.zero.hpz_partition_size > 1:
             # FSDP2 (torch 2.13) cannot keep the hpZ secondary shard of a parameter that defines its
             # own all-gather (fsdp_pre_all_gather): the post-forward reshard fails on the FP8 bytes,

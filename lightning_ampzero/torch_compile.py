@@ -118,6 +118,15 @@ def compile_note(model: nn.Module, names: list[str], config: CompileConfig) -> s
     """What was compiled, said at setup: otherwise nothing in a plain Trainer script told a compiled run
     from an eager one, and its first step's minutes of compiling read as a hang (new-user trial)."""
     classes = sorted({type(model.get_submodule(name)).__name__ for name in names})
-    return (f"torch.compile ({config.backend}): {len(names)} block(s) of {', '.join(classes)}. Each class compiles"
+    note = (f"torch.compile ({config.backend}): {len(names)} block(s) of {', '.join(classes)}. Each class compiles"
             " at its first training step (and its first evaluation without a key/value cache; with one, a block"
             " runs eagerly): seconds to a few minutes on CPU, then cached.")
+    # Delayed FP8 keeps Python bookkeeping in each Fp8Linear's forward and backward (the step's
+    # amax all-reduce), where dynamo breaks the graph: say it, or the blocks look compiled whole.
+    delayed = sum(getattr(m, "_fp8_sync", None) is not None
+                  for name in names for m in model.get_submodule(name).modules())
+    if delayed:
+        note += (f" The {delayed} Fp8Linear(s) under fp8.recipe='delayed' in these blocks run their per-step amax"
+                 " bookkeeping in Python, so each block is compiled in pieces between them; fp8.recipe='tensorwise'"
+                 " or 'rowwise' keeps one graph per block.")
+    return note

@@ -60,6 +60,28 @@ def test_checkpointing_options_that_would_stay_uncompiled_are_refused(option):
     AmpZeroConfig(activation_checkpointing=ac)  # each alone is fine
 
 
+def test_fullgraph_with_delayed_fp8_is_refused_and_would_fail_in_dynamo():
+    # New-user trial: compile={"fullgraph": True} with fp8 recipe 'delayed' stopped at the first step
+    # inside dynamo. The config now refuses the pair; the second half shows why (if a torch release
+    # ever traces the recipe's bookkeeping, this fails and the refusal can go).
+    from lightning_ampzero.config import Fp8Config
+    from lightning_ampzero.fp8 import convert_to_fp8
+
+    delayed = Fp8Config(recipe="delayed", min_features=0)
+    with pytest.raises(ValueError, match="compile.fullgraph=True with fp8.recipe='delayed'.*Choose one"):
+        AmpZeroConfig(compile=CompileConfig(enabled=True, fullgraph=True), fp8=delayed)
+    AmpZeroConfig(compile=CompileConfig(enabled=True), fp8=delayed)  # pieces between the Fp8Linears
+    AmpZeroConfig(compile=CompileConfig(enabled=True, fullgraph=True), fp8=Fp8Config(recipe="tensorwise"))
+
+    torch.manual_seed(0)
+    model = convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()), delayed)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        compiled(torch.randn(4, 16, requires_grad=True))
+    torch._dynamo.reset()
+
+
 def test_the_strategy_keyword_hydra_node_and_deepspeed_section_build_the_same_config():
     from lightning_ampzero.deepspeed import convert_deepspeed_config
     from lightning_ampzero.strategy import AmpZeroStrategy
@@ -241,6 +263,27 @@ def test_the_setup_note_says_what_was_compiled_and_that_the_first_step_compiles(
     note = compile_note(model, names, config)
     assert note.startswith(f"torch.compile (inductor): 3 block(s) of {type(model.get_submodule(names[0])).__name__}.")
     assert "first training step" in note
+    assert "Fp8Linear" not in note
+
+
+def test_the_setup_note_says_delayed_fp8_splits_the_compiled_blocks():
+    # Trial: with fp8 'delayed' each block broke its graph at every Fp8Linear, silently.
+    from lightning_ampzero.config import Fp8Config
+    from lightning_ampzero.fp8 import Fp8Linear, convert_to_fp8
+    from lightning_ampzero.torch_compile import apply_compile, compile_note
+
+    for recipe in ("delayed", "tensorwise"):
+        model, config = _gpt(2), CompileConfig(enabled=True)
+        convert_to_fp8(model, Fp8Config(recipe=recipe, min_features=0))
+        names = apply_compile(model, config)
+        inside = sum(isinstance(m, Fp8Linear) for n in names for m in model.get_submodule(n).modules())
+        assert inside > 0
+        note = compile_note(model, names, config)
+        if recipe == "delayed":
+            assert f"The {inside} Fp8Linear(s) under fp8.recipe='delayed'" in note
+            assert "compiled in pieces" in note
+        else:
+            assert "Fp8Linear" not in note
 
 
 # ---- Lightning, 2 ranks -------------------------------------------------------------------------
