@@ -70,6 +70,7 @@ from lightning_ampzero.offload import setup as offload_setup
 from lightning_ampzero.offload.optimizer import is_offloaded
 from lightning_ampzero.offload.params import after_checkpoint
 from lightning_ampzero.precision.plugin import AmpZeroPrecision
+from lightning_ampzero.precision.policy import fp16_cpu_note
 from lightning_ampzero.host_memory import keep_freed_host_memory
 from lightning_ampzero.keywords import _keyword_signature, resolve_config
 from lightning_ampzero.process import release_process_groups
@@ -376,6 +377,7 @@ class AmpZeroStrategy(ParallelStrategy):
             self.imported.apply_to_trainer(trainer)
         # Once per strategy, not at each of fit, validate and test (a trial saw the FP8 note three times).
         for note in (fp8_device_note(self.config.fp8, self.root_device),
+                     fp16_cpu_note(self.precision_plugin.precision, self.root_device),
                      overlap_comm_note(self.config.zero, torch.distributed.get_backend())):
             self._say_once(note)
         self._say_once(hpz_note(self.config.zero, self.world_size), rank_zero_info)

@@ -243,6 +243,14 @@ def compose(overrides: Sequence[str] = (), *, config_dir: Optional[str] = None, 
     register_configs()
     overrides = list(overrides)
     if config_dir is not None:
+        if not Path(config_dir).is_dir():
+            # Hydra only warns and composes without it, so an experiment kept there read as "not an
+            # option" (a docs trial ran the README's relative --config-dir from another directory).
+            raise ConfigError(
+                f"--config-dir {config_dir}: no such directory (resolved against the current directory:"
+                f" {Path(config_dir).resolve()}). A relative path is read from where the command runs; give an"
+                " absolute path, or run from the directory it is relative to."
+            )
         # quoted: a folder named with a character such as ``ü`` broke Hydra's lexer on an override the
         # user never typed (a trial); Hydra itself adds --config-dir without an override
         overrides.append(f"hydra.searchpath=['file://{Path(config_dir).resolve()}']")

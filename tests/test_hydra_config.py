@@ -354,6 +354,21 @@ def test_typo_in_a_users_option_file_fails_with_its_path(tmp_path):
     assert app.strategy.stage == 3 and app.strategy.prefetch_bucket_size == 1e6
 
 
+def test_a_config_dir_that_does_not_exist_is_named_not_ignored(tmp_path, monkeypatch):
+    # Hydra warns and composes without it: experiment=my_run then read as "not an option of config
+    # group 'experiment'" (a docs trial ran examples/hydra's relative --config-dir from elsewhere).
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        compose(["experiment=my_run"], config_dir="examples/hydra/my_configs")
+    message = str(info.value)
+    assert message.startswith("--config-dir examples/hydra/my_configs: no such directory")
+    assert str(tmp_path / "examples" / "hydra" / "my_configs") in message and "absolute path" in message
+    (tmp_path / "examples" / "hydra" / "my_configs" / "experiment").mkdir(parents=True)
+    (tmp_path / "examples" / "hydra" / "my_configs" / "experiment" / "my_run.yaml").write_text(
+        "# @package _global_\ntrainer:\n  max_steps: 7\n")
+    assert compose_typed(["experiment=my_run"], config_dir="examples/hydra/my_configs").trainer.max_steps == 7
+
+
 def test_preflight_checks_every_job_of_a_sweep():
     assert [a.strategy.stage for a in preflight(["-m", "strategy=zero1,zero3"])] == [1, 3]
     with pytest.raises(ConfigError, match="zero4"):
