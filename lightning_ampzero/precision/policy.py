@@ -251,7 +251,10 @@ def fp16_cpu_note(precision: str, device: torch.device) -> Optional[str]:
     """
     if device.type != "cpu" or LOW_DTYPES.get(precision) != torch.float16:
         return None
-    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+    try:
+        if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+            return None
+    except (AttributeError, RuntimeError):  # a build without oneDNN cannot tell: say nothing rather than guess
         return None
     return (
         f"precision={precision!r} on a CPU without fp16 matrix hardware (oneDNN reports no fp16 support): torch"
