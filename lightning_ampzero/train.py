@@ -2,7 +2,7 @@
 
 With no arguments it trains the default small GPT on the shipped Shakespeare corpus with 2 CPU
 processes and ZeRO stage 2, then prints a summary. Every field of the composed config can be
-overridden (``strategy=zero3 precision=16-mixed strategy.reduce_bucket_size=5e5``); ``-m``
+overridden (``strategy=zero3 precision=bf16-mixed strategy.reduce_bucket_size=5e5``); ``-m``
 sweeps run their jobs one after another.
 
 [Note: who starts the training processes]
