@@ -1,4 +1,5 @@
-"""Run the training scripts in tests/scripts/ in a subprocess (never Lightning multi-process in pytest)."""
+"""Run the training scripts in tests/scripts/ in a subprocess (never Lightning multi-process in pytest);
+and :func:`setup_warnings`, what one in-process, one-device Trainer warns over a fit and a validate."""
 
 from __future__ import annotations
 
@@ -78,3 +79,21 @@ def run_json(name: str, out: Path, *args: str, **kw: Any) -> Any:
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def setup_warnings(strategy: Any, needle: str, precision: str = "32-true") -> list[str]:
+    """The warnings containing ``needle`` over ``fit`` then ``validate`` of a BoringModel with one
+    in-process CPU Trainer: a setup note must appear once per strategy, not at each Trainer call."""
+    import warnings
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=1,
+                         limit_val_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(BoringModel())
+        trainer.validate(BoringModel(), verbose=False)
+    return [str(w.message) for w in caught if needle in str(w.message)]

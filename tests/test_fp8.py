@@ -464,20 +464,9 @@ def test_fp8_on_cpu_says_it_is_for_gpus():
 
 def test_the_fp8_on_cpu_note_is_said_once_per_strategy_not_at_each_trainer_call():
     # setup runs for fit, validate and test: a trial read the same note three times in one script.
-    import warnings
-
-    import lightning.pytorch as pl
-    from lightning.pytorch.demos.boring_classes import BoringModel
-
+    from _scripts import setup_warnings
     from lightning_ampzero.config import Fp8Config
     from lightning_ampzero.strategy import AmpZeroStrategy
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=AmpZeroStrategy(stage=2, fp8=Fp8Config()),
-                         max_steps=1, limit_val_batches=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(BoringModel())
-        trainer.validate(BoringModel(), verbose=False)
-    notes = [w for w in caught if "FP8 on CPU runs the torch path" in str(w.message)]
-    assert len(notes) == 1, [str(w.message)[:80] for w in caught]
+    notes = setup_warnings(AmpZeroStrategy(stage=2, fp8=Fp8Config()), "FP8 on CPU runs the torch path")
+    assert len(notes) == 1, notes

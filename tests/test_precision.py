@@ -695,11 +695,7 @@ def test_a_trainer_precision_other_than_the_strategys_is_warned_also_when_it_is_
 def test_fp16_on_a_cpu_without_fp16_hardware_is_said_once_at_setup(monkeypatch):
     # A docs trial: the README's `ampzero-train strategy=zero3 precision=16-mixed` ran 9x slower than
     # 32-true on this CPU (fp16 GEMMs on torch's reference path), with nothing said.
-    import warnings
-
-    import lightning.pytorch as pl
-    from lightning.pytorch.demos.boring_classes import BoringModel
-
+    from _scripts import setup_warnings
     from lightning_ampzero.precision.policy import fp16_cpu_note
 
     cpu = torch.device("cpu")
@@ -712,17 +708,8 @@ def test_fp16_on_a_cpu_without_fp16_hardware_is_said_once_at_setup(monkeypatch):
         assert fp16_cpu_note(precision, cpu) is None
     assert fp16_cpu_note("16-mixed", torch.device("cuda", 0)) is None
 
-    def messages(precision):
-        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="ampzero_stage_2", precision=precision,
-                             max_steps=1, limit_val_batches=1, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer.fit(BoringModel())
-            trainer.validate(BoringModel(), verbose=False)
-        return [str(w.message) for w in caught if "without fp16 matrix hardware" in str(w.message)]
-
-    assert len(messages("16-mixed")) == 1
-    assert messages("bf16-mixed") == []
+    needle = "without fp16 matrix hardware"
+    assert len(setup_warnings("ampzero_stage_2", needle, precision="16-mixed")) == 1
+    assert setup_warnings("ampzero_stage_2", needle, precision="bf16-mixed") == []
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: True)  # e.g. AMX-FP16
     assert fp16_cpu_note("16-mixed", cpu) is None
